@@ -1,0 +1,198 @@
+"""The identity of an Evolution API event: its canonical form and dedup key.
+
+Evolution gives no event id. One emission reaches us as a webhook body (with
+``destination``) and as a RabbitMQ body (without it, keys in another order), and
+the webhook may be retried for ~20 minutes. All of these copies must map to one
+dedup key, while two genuinely different emissions must not.
+
+Which fields identify an emission depends on the kind of event:
+
+* message events: instance, event and the content of ``data``. Evolution may
+  emit the same message again seconds later with a new ``date_time``; that is
+  the same event, and a chatbot must not answer it twice. A message whose
+  content changed (decrypted, edited) is a new event.
+* every other event: instance, event, ``data`` and ``date_time``. The same state
+  emitted again later (``open``, ``close``, ``open``) is a new event each time.
+
+Everything else in the body (``destination``, ``sender``, ``server_url``,
+``apikey``, fields this service adds such as ``already_saved``) is ignored.
+
+Pure and stdlib only: it is used on both channels and in tests without I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+#: Evolution's ``Events`` enum: enum name -> the name it puts in ``event``.
+EVENT_NAMES: Final[Mapping[str, str]] = {
+    "APPLICATION_STARTUP": "application.startup",
+    "INSTANCE_CREATE": "instance.create",
+    "INSTANCE_DELETE": "instance.delete",
+    "QRCODE_UPDATED": "qrcode.updated",
+    "CONNECTION_UPDATE": "connection.update",
+    "STATUS_INSTANCE": "status.instance",
+    "MESSAGES_SET": "messages.set",
+    "MESSAGES_UPSERT": "messages.upsert",
+    "MESSAGES_EDITED": "messages.edited",
+    "MESSAGES_UPDATE": "messages.update",
+    "MESSAGES_DELETE": "messages.delete",
+    "SEND_MESSAGE": "send.message",
+    "SEND_MESSAGE_UPDATE": "send.message.update",
+    "CONTACTS_SET": "contacts.set",
+    "CONTACTS_UPSERT": "contacts.upsert",
+    "CONTACTS_UPDATE": "contacts.update",
+    "PRESENCE_UPDATE": "presence.update",
+    "CHATS_SET": "chats.set",
+    "CHATS_UPDATE": "chats.update",
+    "CHATS_UPSERT": "chats.upsert",
+    "CHATS_DELETE": "chats.delete",
+    "GROUPS_UPSERT": "groups.upsert",
+    "GROUPS_UPDATE": "groups.update",
+    "GROUP_PARTICIPANTS_UPDATE": "group-participants.update",
+    "CALL": "call",
+    "TYPEBOT_START": "typebot.start",
+    "TYPEBOT_CHANGE_STATUS": "typebot.change-status",
+    "LABELS_EDIT": "labels.edit",
+    "LABELS_ASSOCIATION": "labels.association",
+    "CREDS_UPDATE": "creds.update",
+    "MESSAGING_HISTORY_SET": "messaging-history.set",
+    "REMOVE_INSTANCE": "remove.instance",
+    "LOGOUT_INSTANCE": "logout.instance",
+}
+
+#: Events identified by content alone (a re-emission is the same event).
+MESSAGE_EVENTS: Final[frozenset[str]] = frozenset(
+    {
+        "messages.upsert",
+        "messages.set",
+        "messages.update",
+        "messages.edited",
+        "messages.delete",
+        "send.message",
+        "send.message.update",
+    }
+)
+
+#: Body fields that belong to the transport or to this service, never to identity.
+_KEY_VERSION: Final = b"evolution-ingest/dedup/v1\n"
+
+
+class InvalidEvent(ValueError):
+    """A body that is not an Evolution event; ``reason`` says why, for a 4xx answer."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalize_event_name(name: str) -> str:
+    """``MESSAGES_UPSERT`` or ``Messages.Upsert`` -> ``messages.upsert``."""
+    stripped = name.strip()
+    known = EVENT_NAMES.get(stripped.upper())
+    if known is not None and "." not in stripped:
+        return known
+    return stripped.lower()
+
+
+def webhook_suffix(event: str) -> str:
+    """The path suffix Evolution appends with "webhook by events" on.
+
+    ``group-participants.update`` -> ``group-participants-update``.
+    """
+    return event.replace(".", "-").replace("_", "-").lower()
+
+
+def canonical_json(value: Any) -> bytes:
+    """One byte string per JSON value, whatever its key order or whitespace."""
+    return json.dumps(
+        value,
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode("utf-8")
+
+
+def dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
+    """SHA-256 hex of the canonical identity of one Evolution emission."""
+    name = normalize_event_name(event)
+    identity: dict[str, Any] = {"event": name, "instance": instance, "data": data}
+    if name not in MESSAGE_EVENTS:
+        identity["date_time"] = date_time
+    return hashlib.sha256(_KEY_VERSION + canonical_json(identity)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """An Evolution event body checked for shape, with its identity computed."""
+
+    event: str
+    instance: str
+    data: Any
+    date_time: str | None
+    dedup_key: str
+    #: The body as Evolution sent it, minus the fields this service adds.
+    body: dict[str, Any]
+
+
+#: Fields added by this service to forwarded bodies; stripped before storing.
+SERVICE_FIELDS: Final[frozenset[str]] = frozenset({"already_saved"})
+
+
+def parse_envelope(body: object) -> Envelope:
+    """Check that ``body`` is an Evolution event and compute its identity.
+
+    Raises :class:`InvalidEvent` with a reason fit for a 400 answer.
+    """
+    if not isinstance(body, dict):
+        raise InvalidEvent(f"body must be a JSON object, not {_json_type(body)}")
+    event = body.get("event")
+    instance = body.get("instance")
+    if event is None:
+        raise InvalidEvent("missing field 'event'")
+    if instance is None:
+        raise InvalidEvent("missing field 'instance'")
+    if not isinstance(event, str) or not event.strip():
+        raise InvalidEvent(f"field 'event' must be a non-empty string, not {_json_type(event)}")
+    if not isinstance(instance, str) or not instance.strip():
+        raise InvalidEvent(f"field 'instance' must be a non-empty string, not {_json_type(instance)}")
+    if "data" not in body:
+        raise InvalidEvent("missing field 'data'")
+    date_time = body.get("date_time")
+    if date_time is not None and not isinstance(date_time, str):
+        raise InvalidEvent(f"field 'date_time' must be a string, not {_json_type(date_time)}")
+    data = body["data"]
+    stored = {k: v for k, v in body.items() if k not in SERVICE_FIELDS}
+    try:
+        key = dedup_key(event, instance, data, date_time)
+    except ValueError as exc:  # NaN or Infinity cannot come from JSON.stringify
+        raise InvalidEvent(f"field 'data' is not valid JSON: {exc}") from exc
+    return Envelope(
+        event=normalize_event_name(event),
+        instance=instance,
+        data=data,
+        date_time=date_time,
+        dedup_key=key,
+        body=stored,
+    )
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
