@@ -1,0 +1,240 @@
+"""Settings, read once at start-up from ``EVOLUTION_INGEST_*`` variables (and ``.env``).
+
+Every default works on a machine whose Postgres, Redis and RabbitMQ listen on
+their standard local ports. A wrong value stops start-up with a message that
+names the variable (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Final
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX: Final = "EVOLUTION_INGEST_"
+
+
+class ConfigError(Exception):
+    """A setting has a wrong value. The message names the variable."""
+
+
+class WebhookAuth(enum.StrEnum):
+    """How calls from Evolution API are authenticated (any listed method passes)."""
+
+    NONE = "none"
+    #: ``/api/internal/webhook/t/<token>`` or ``?token=<token>``: Evolution's
+    #: global webhook cannot send headers, but its URL can carry a secret.
+    URL_TOKEN = "url_token"  # noqa: S105 - a method name
+    #: A static header (instance webhooks can send custom headers).
+    HEADER = "header"
+    #: ``Authorization: Bearer <HS256 JWT>`` signed with the instance's ``jwt_key``.
+    JWT = "jwt"
+    #: The instance ``apikey`` in the body, checked against a configured list.
+    APIKEY = "apikey"
+
+
+class LogFormat(enum.StrEnum):
+    AUTO = "auto"
+    JSON = "json"
+    TEXT = "text"
+
+
+def _split_csv(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+CsvList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    """All settings of the service. Build it with :meth:`from_env`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+    )
+
+    # --- stores -----------------------------------------------------------------
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/postgres"
+    #: Postgres schema holding the inbox (created by ``migrate`` if missing).
+    database_schema: str = Field(default="public", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    database_pool_size: int = Field(default=16, ge=1, le=500)
+    #: Connect, pool-acquire and statement timeout; past it the webhook answers 503.
+    database_timeout_seconds: float = Field(default=5.0, gt=0)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Seconds to wait for Redis before carrying on with Postgres alone.
+    redis_timeout_seconds: float = Field(default=0.5, gt=0)
+    rabbitmq_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+
+    # --- the webhook app ----------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    #: Shared by worker, reconciler and webhook app for ``already_saved`` calls.
+    internal_secret: SecretStr | None = None
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    #: Upper bound on object keys in one body (a JSON bomb guard).
+    max_json_keys: int = Field(default=2_000_000, ge=10)
+    #: ``Retry-After`` of a 503 (Postgres unreachable).
+    retry_after_seconds: int = Field(default=5, ge=1)
+    webhook_auth: CsvList = Field(default_factory=lambda: [WebhookAuth.NONE.value])
+    webhook_token: SecretStr | None = None
+    webhook_token_header: str = "x-webhook-token"  # noqa: S105 - a header name
+    webhook_jwt_key: SecretStr | None = None
+    #: Evolution signs one JWT per event (10 min expiry) and retries for ~20 min.
+    webhook_jwt_leeway_seconds: float = Field(default=1800, ge=0)
+    webhook_apikeys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    #: Run migrations when ``serve`` starts (``up`` always does).
+    migrate_on_start: bool = False
+
+    # --- business logic -------------------------------------------------------------
+    #: ``pkg.module:function,...``; empty means the built-in one-line log.
+    handlers: CsvList = Field(default_factory=list)
+
+    # --- timings --------------------------------------------------------------------
+    #: Redis lock and Postgres claim lease; renewed while a handler runs.
+    lock_ttl_seconds: float = Field(default=120, gt=0)
+    #: How long Redis remembers that an event was saved / processed.
+    seen_ttl_seconds: float = Field(default=3600, gt=0)
+    metrics_flush_seconds: float = Field(default=1.0, gt=0)
+
+    # --- counters and logs ----------------------------------------------------------
+    metrics_prefix: str = "ps:metrics:evolution:"
+    #: Prefix of this service's other Redis keys (locks, seen markers).
+    redis_key_prefix: str = "evolution-ingest:"
+    log_level: str = "INFO"
+    log_format: LogFormat = LogFormat.AUTO
+
+    @field_validator("webhook_auth", "handlers", mode="before")
+    @classmethod
+    def _csv(cls, value: Any) -> Any:
+        return _split_csv(value)
+
+    @field_validator("webhook_apikeys", mode="before")
+    @classmethod
+    def _csv_secrets(cls, value: Any) -> Any:
+        return _split_csv(value)
+
+    @field_validator("webhook_auth")
+    @classmethod
+    def _known_auth(cls, value: list[str]) -> list[str]:
+        modes = [mode.lower() for mode in value] or [WebhookAuth.NONE.value]
+        known = {mode.value for mode in WebhookAuth}
+        for mode in modes:
+            if mode not in known:
+                raise ValueError(f"unknown method {mode!r}; choose from {', '.join(sorted(known))}")
+        if WebhookAuth.NONE.value in modes and len(modes) > 1:
+            raise ValueError("'none' cannot be combined with other methods")
+        return modes
+
+    @field_validator("handlers")
+    @classmethod
+    def _handler_specs(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            module, sep, attr = spec.partition(":")
+            if not sep or not module or not attr:
+                raise ValueError(f"{spec!r} is not of the form 'package.module:function'")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError("choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return level
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: str) -> str:
+        if not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql:// (e.g. postgresql://user@host:5432/db)")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("rabbitmq_url")
+    @classmethod
+    def _amqp_url(cls, value: str) -> str:
+        if not value.startswith(("amqp://", "amqps://")):
+            raise ValueError("must start with amqp:// or amqps://")
+        return value
+
+    @model_validator(mode="after")
+    def _auth_needs_secrets(self) -> Settings:
+        modes = set(self.webhook_auth)
+        if modes & {WebhookAuth.URL_TOKEN, WebhookAuth.HEADER} and not _present(self.webhook_token):
+            raise _FieldError("webhook_token", "required by WEBHOOK_AUTH url_token/header")
+        if WebhookAuth.JWT in modes and not _present(self.webhook_jwt_key):
+            raise _FieldError("webhook_jwt_key", "required by WEBHOOK_AUTH jwt")
+        if WebhookAuth.APIKEY in modes and not self.webhook_apikeys:
+            raise _FieldError("webhook_apikeys", "required by WEBHOOK_AUTH apikey")
+        return self
+
+    @property
+    def auth_methods(self) -> frozenset[WebhookAuth]:
+        return frozenset(WebhookAuth(mode) for mode in self.webhook_auth) - {WebhookAuth.NONE}
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Settings:
+        """Read the environment (and ``.env``); raise :class:`ConfigError` naming the variable.
+
+        ``overrides`` (keyword arguments named after the fields) win over both.
+        """
+        try:
+            return cls(**overrides)
+        except _FieldError as exc:
+            raise ConfigError(f"{ENV_PREFIX}{exc.field.upper()}: {exc.message}") from None
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+
+class _FieldError(Exception):
+    """Raised by cross-field checks; pydantic lets it through unwrapped."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _present(secret: SecretStr | None) -> bool:
+    return secret is not None and bool(secret.get_secret_value())
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in error["loc"][:1]) or "settings"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            lines.append(f"{ENV_PREFIX}{field.upper()}: {message}")
+        else:
+            lines.append(message)
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``EVOLUTION_INGEST_*`` variables that match no setting (likely typos), with hints."""
+    env = os.environ if environ is None else environ
+    names = {ENV_PREFIX + field.upper() for field in Settings.model_fields}
+    hints = []
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in names:
+            close = difflib.get_close_matches(var, sorted(names), n=1)
+            hints.append(f"{var} (did you mean {close[0]}?)" if close else var)
+    return hints

@@ -1,0 +1,155 @@
+"""Short-term coordination in Redis: per-event locks and "already seen" markers.
+
+Redis only accelerates; Postgres decides. Every method here answers something
+usable when Redis is unreachable (``available=False``, ``False``, or nothing),
+never raises for that, and never claims a duplicate that Postgres has not seen:
+
+* the lock (``SET NX PX`` with an owner token, renewed while business logic runs,
+  released only by its owner) keeps concurrent copies of one event from working
+  at the same time;
+* the seen marker records, *after* Postgres committed it, that a channel's copy
+  is saved and whether business logic completed, so that a later copy can be
+  answered without a round trip to Postgres.
+
+Keys share a hash tag, so the scripts also work on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from evolution_ingest.events import Channel
+
+log = structlog.get_logger(__name__)
+
+#: Field of the seen marker set once business logic completed.
+PROCESSED: Final = "processed"
+
+# KEYS: lock, seen. ARGV: token, lock ttl ms, channel.
+# Returns {acquired, processed, channel recorded}.
+_ACQUIRE: Final = """
+local seen = redis.call('HMGET', KEYS[2], 'processed', ARGV[3])
+local processed = seen[1] and 1 or 0
+local recorded = seen[2] and 1 or 0
+if processed == 1 then return {0, 1, recorded} end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, 0, recorded} end
+return {0, 0, recorded}
+"""
+
+# KEYS: lock, seen. ARGV: token (may be empty), seen ttl ms, fields to set...
+_RELEASE: Final = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if #ARGV > 2 then
+  for i = 3, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], '1') end
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
+return 1
+"""
+
+# KEYS: lock. ARGV: token, ttl ms.
+_RENEW: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What Redis knows about an event when a copy arrives."""
+
+    #: Redis answered. When False, nothing else here means anything.
+    available: bool
+    #: This copy now holds the lock.
+    acquired: bool = False
+    #: Business logic completed (committed in Postgres before it was marked).
+    processed: bool = False
+    #: A copy from this channel is committed in Postgres.
+    recorded: bool = False
+
+    @property
+    def busy(self) -> bool:
+        """Someone else holds the lock."""
+        return self.available and not self.acquired and not self.processed
+
+
+UNAVAILABLE: Final = Probe(available=False)
+
+
+class RedisLocks:
+    """Event locks and seen markers. A short circuit breaker avoids waiting on a dead Redis."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str,
+        lock_ttl: float,
+        seen_ttl: float,
+        retry_after: float = 1.0,
+    ) -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._lock_ttl_ms = max(1, int(lock_ttl * 1000))
+        self._seen_ttl_ms = max(1, int(seen_ttl * 1000))
+        self._retry_after = retry_after
+        self._down_until = 0.0
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(_RENEW)
+
+    @property
+    def lock_ttl(self) -> float:
+        return self._lock_ttl_ms / 1000
+
+    def _keys(self, dedup_key: str) -> list[str]:
+        tag = "{" + dedup_key + "}"
+        return [f"{self._prefix}lock:{tag}", f"{self._prefix}seen:{tag}"]
+
+    def _skip(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        if not self._skip():
+            log.warning("redis unavailable, continuing with Postgres alone", op=operation, error=repr(exc))
+        self._down_until = time.monotonic() + self._retry_after
+
+    async def acquire(self, dedup_key: str, token: str, channel: Channel) -> Probe:
+        """Try to take the lock; also read the seen marker. One round trip."""
+        if self._skip():
+            return UNAVAILABLE
+        try:
+            acquired, processed, recorded = await self._acquire(
+                keys=self._keys(dedup_key), args=[token, self._lock_ttl_ms, channel.value]
+            )
+        except (RedisError, OSError) as exc:
+            self._failed("acquire", exc)
+            return UNAVAILABLE
+        return Probe(True, bool(acquired), bool(processed), bool(recorded))
+
+    async def release(self, dedup_key: str, token: str | None, marks: Iterable[str] = ()) -> None:
+        """Release the lock if ``token`` still owns it, and set seen marks (committed facts only)."""
+        fields = list(marks)
+        if (token is None and not fields) or self._skip():
+            return
+        try:
+            await self._release(keys=self._keys(dedup_key), args=[token or "", self._seen_ttl_ms, *fields])
+        except (RedisError, OSError) as exc:
+            self._failed("release", exc)
+
+    async def renew(self, dedup_key: str, token: str) -> bool:
+        """Extend a lock this token still owns; False when lost or Redis is down."""
+        if self._skip():
+            return False
+        try:
+            renewed = await self._renew(keys=self._keys(dedup_key)[:1], args=[token, self._lock_ttl_ms])
+        except (RedisError, OSError) as exc:
+            self._failed("renew", exc)
+            return False
+        return bool(renewed)

@@ -1,0 +1,96 @@
+"""The resources of one process (Postgres pool, Redis client, counters), opened and closed together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from evolution_ingest import migrations
+from evolution_ingest.config import Settings
+from evolution_ingest.handlers import HandlerPipeline
+from evolution_ingest.inbox import PostgresInbox, create_pool
+from evolution_ingest.ingestion import Ingestion
+from evolution_ingest.locks import RedisLocks
+from evolution_ingest.metrics import Counters
+
+log = structlog.get_logger(__name__)
+
+_CLOSE_TIMEOUT = 10.0
+
+
+def redis_client(settings: Settings) -> Redis:
+    """A client that fails fast: a slow or dead Redis must not hold requests up."""
+    return Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_seconds,
+        socket_connect_timeout=settings.redis_timeout_seconds,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+@dataclass(slots=True)
+class Runtime:
+    settings: Settings
+    inbox: PostgresInbox
+    redis: Redis
+    locks: RedisLocks
+    counters: Counters
+    ingestion: Ingestion
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls, settings: Settings, *, pipeline: HandlerPipeline | None = None
+    ) -> AsyncIterator[Runtime]:
+        """Open everything; on exit flush counters and close connections."""
+        pipeline = pipeline or HandlerPipeline.from_specs(settings.handlers)
+        pool = await create_pool(
+            settings.database_url,
+            schema=settings.database_schema,
+            size=settings.database_pool_size,
+            command_timeout=settings.database_timeout_seconds,
+            connect_timeout=settings.database_timeout_seconds,
+        )
+        redis = redis_client(settings)
+        counters = Counters(
+            redis, prefix=settings.metrics_prefix, flush_interval=settings.metrics_flush_seconds
+        )
+        locks = RedisLocks(
+            redis,
+            prefix=settings.redis_key_prefix,
+            lock_ttl=settings.lock_ttl_seconds,
+            seen_ttl=settings.seen_ttl_seconds,
+        )
+        inbox = PostgresInbox(pool, acquire_timeout=settings.database_timeout_seconds)
+        ingestion = Ingestion(inbox=inbox, locks=locks, pipeline=pipeline, counters=counters)
+        flusher = asyncio.create_task(counters.run(), name="counters-flush")
+        try:
+            yield cls(settings, inbox, redis, locks, counters, ingestion)
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await counters.close()
+            await redis.aclose()
+            try:
+                await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT)
+            except TimeoutError:
+                log.warning("Postgres connections still busy at shutdown; closing them")
+                pool.terminate()
+
+
+async def run_migrations(settings: Settings) -> list[migrations.Migration]:
+    """Apply pending migrations with a dedicated connection."""
+    conn = await asyncpg.connect(settings.database_url, timeout=settings.database_timeout_seconds)
+    try:
+        return await migrations.migrate(conn, settings.database_schema)
+    finally:
+        await conn.close()
