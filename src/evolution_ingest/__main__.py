@@ -1,0 +1,3 @@
+from evolution_ingest.cli import main
+
+main(prog_name="evolution-ingest")

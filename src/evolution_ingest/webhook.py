@@ -1,0 +1,217 @@
+"""The webhook app: parse a call, hand it to the ingestion core, map the outcome to HTTP.
+
+Routes (Evolution's "webhook by events" appends ``/<event-suffix>``)::
+
+    POST /api/internal/webhook[/<event-suffix>]
+    POST /api/internal/webhook/t/<token>[/<event-suffix>]    (token in the URL)
+    GET  /healthz
+
+Status codes: 200 processed or skipped (with the reason); 400 malformed JSON or
+not an Evolution event; 401 refused (Evolution does not retry it, so it is
+counted and logged loudly); 409 a forward for an event with no inbox row; 413
+too large; 500 a handler failed (the event stays saved and will be retried);
+503 Postgres unreachable, with ``Retry-After`` (Evolution retries 5xx).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from evolution_ingest.auth import INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
+from evolution_ingest.config import Settings
+from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
+from evolution_ingest.inbox import StoreUnavailable
+from evolution_ingest.ingestion import INTERNAL, Ingestion, Outcome, Result
+
+log = structlog.get_logger(__name__)
+
+WEBHOOK_PATH: Final = "/api/internal/webhook"
+_CHANNEL: Final = "webhook"
+
+
+class _Refused(Exception):
+    """A call answered with a 4xx; ``counter`` says which counter it moves."""
+
+    def __init__(self, status: int, reason: str, counter: str = f"{_CHANNEL}:rejected") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.counter = counter
+
+
+def _json(status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
+
+
+def count_keys(value: Any, limit: int) -> int:
+    """Object keys in a parsed JSON value, counting stops just past ``limit``."""
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, dict):
+            total += len(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    envelope: Envelope
+    internal: bool
+
+
+class WebhookApp:
+    """Request handling, with its resources passed in."""
+
+    def __init__(self, ingestion: Ingestion, settings: Settings) -> None:
+        self._ingestion = ingestion
+        self._counters = ingestion.counters
+        self._auth = EvolutionAuth(settings)
+        self._secret = settings.internal_secret.get_secret_value() if settings.internal_secret else None
+        self._max_body = settings.max_body_bytes
+        self._max_keys = settings.max_json_keys
+        self._retry_after = str(settings.retry_after_seconds)
+
+    async def receive(self, request: Request) -> Response:
+        started = time.perf_counter()
+        channel = _CHANNEL
+        try:
+            call = await self._read(request)
+            channel = INTERNAL if call.internal else _CHANNEL
+            if call.internal:
+                result = await self._ingestion.process_saved(call.envelope)
+            else:
+                result = await self._ingestion.receive(call.envelope)
+        except _Refused as refused:
+            self._counters.incr(refused.counter)
+            level = log.warning if refused.status == 401 else log.info
+            level("call refused", status=refused.status, reason=refused.reason, path=request.url.path)
+            return _json(refused.status, {"error": refused.reason})
+        except StoreUnavailable as exc:
+            self._counters.incr(f"{channel}:unavailable")
+            log.warning("answering 503, Postgres unavailable", error=str(exc))
+            return _json(
+                503,
+                {"error": "Postgres unavailable; retry later"},
+                {"Retry-After": self._retry_after},
+            )
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
+            self._counters.incr(f"{channel}:errors")
+            log.exception("unexpected error while ingesting", path=request.url.path)
+            return _json(500, {"error": "internal error; the event was not acknowledged"})
+        duration_ms = round((time.perf_counter() - started) * 1000, 2)
+        log.debug(
+            "ingested",
+            outcome=result.outcome.value,
+            event_name=call.envelope.event,
+            instance=call.envelope.instance,
+            dedup_key=result.dedup_key,
+            channel=channel,
+            duration_ms=duration_ms,
+        )
+        return self._answer(result)
+
+    async def _read(self, request: Request) -> _Call:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body:
+            raise _Refused(413, f"body larger than {self._max_body} bytes")
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body:
+                raise _Refused(413, f"body larger than {self._max_body} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _Refused(400, f"malformed JSON: {exc}") from None
+        if raw.count(b":") > self._max_keys and count_keys(body, self._max_keys) > self._max_keys:
+            raise _Refused(413, f"more than {self._max_keys} keys in the body")
+        internal = isinstance(body, dict) and "already_saved" in body
+        if internal:
+            if not isinstance(body["already_saved"], bool):
+                raise _Refused(400, "field 'already_saved' must be a boolean")
+            internal = body["already_saved"]
+        if internal:
+            refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
+            if refusal:
+                raise _Refused(401, refusal, f"{INTERNAL}:unauthorized")
+        try:
+            envelope = parse_envelope(body)
+        except InvalidEvent as exc:
+            raise _Refused(400, exc.reason) from None
+        if not internal:
+            refusal = self._auth.refusal(
+                headers=request.headers,
+                url_token=request.path_params.get("token") or request.query_params.get("token"),
+                body=envelope.body,
+            )
+            if refusal:
+                raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
+        return _Call(envelope, internal)
+
+    def _answer(self, result: Result) -> Response:
+        key = result.dedup_key
+        match result.outcome:
+            case Outcome.PROCESSED:
+                return _json(200, {"status": "processed", "dedup_key": key})
+            case Outcome.DUPLICATE | Outcome.LOCKED:
+                return _json(200, {"status": "skipped", "reason": result.outcome.value, "dedup_key": key})
+            case Outcome.FAILED:
+                return _json(
+                    500,
+                    {
+                        "status": "failed",
+                        "error": "business logic failed; the event is saved and will be retried",
+                        "detail": (result.error or "")[:500],
+                        "dedup_key": key,
+                    },
+                )
+            case Outcome.NOT_FOUND:
+                return _json(
+                    409,
+                    {"error": "no inbox row for this event: a forward must follow a save", "dedup_key": key},
+                )
+            case _:
+                raise AssertionError(f"unexpected outcome {result.outcome}")
+
+
+async def healthz(_: Request) -> Response:
+    return _json(200, {"status": "ok"})
+
+
+def create_app(ingestion: Ingestion, settings: Settings) -> Starlette:
+    """The ASGI app; ``ingestion`` (and its connections) belong to the caller."""
+    webhook = WebhookApp(ingestion, settings)
+    if not EvolutionAuth(settings).enabled:
+        log.warning(
+            "webhook authentication is off: anyone who can reach this port can inject events; "
+            "set EVOLUTION_INGEST_WEBHOOK_AUTH (url_token, header, jwt or apikey)"
+        )
+    if not settings.internal_secret:
+        log.warning("EVOLUTION_INGEST_INTERNAL_SECRET is not set: forwards (already_saved) are refused")
+    routes = [
+        Route(WEBHOOK_PATH, webhook.receive, methods=["POST"]),
+        Route(WEBHOOK_PATH + "/t/{token}", webhook.receive, methods=["POST"]),
+        Route(WEBHOOK_PATH + "/t/{token}/{suffix}", webhook.receive, methods=["POST"]),
+        Route(WEBHOOK_PATH + "/{suffix}", webhook.receive, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,150 @@
+"""Fixtures for tests against the real Postgres, Redis (and RabbitMQ) of this machine.
+
+Each test gets its own Postgres schema and its own Redis key prefixes, so tests
+never see each other's rows, locks or counters, and leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+
+from evolution_ingest import logs
+from evolution_ingest.config import LogFormat, Settings
+from evolution_ingest.handlers import HandlerPipeline
+from evolution_ingest.inbox import init_connection
+from evolution_ingest.runtime import Runtime, run_migrations
+from evolution_ingest.webhook import create_app
+from tests.support import Recorder, running_server
+from tests.support.proxy import TcpProxy
+
+DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+INTERNAL_SECRET = "test-internal-secret-" + uuid.uuid4().hex  # generated per run, never real
+
+
+@pytest.fixture
+def uid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def make_settings(uid: str) -> Callable[..., Settings]:
+    """Settings isolated to this test; keyword arguments override fields."""
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": DATABASE_URL,
+            "database_schema": f"test_{uid}",
+            "redis_url": REDIS_URL,
+            "rabbitmq_url": RABBITMQ_URL,
+            "internal_secret": INTERNAL_SECRET,
+            "redis_key_prefix": f"test:{uid}:",
+            "metrics_prefix": f"test:{uid}:metrics:",
+            "metrics_flush_seconds": 0.2,
+            "database_timeout_seconds": 2.0,
+            "redis_timeout_seconds": 0.3,
+        }
+        values.update(overrides)
+        return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+    return make
+
+
+@pytest.fixture
+async def settings(make_settings: Callable[..., Settings], uid: str) -> AsyncIterator[Settings]:
+    """Migrated settings; the schema and Redis keys are removed after the test."""
+    current = make_settings()
+    await run_migrations(current)
+    yield current
+    conn = await asyncpg.connect(DATABASE_URL)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "test_{uid}" CASCADE')
+    finally:
+        await conn.close()
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        keys = [key async for key in redis.scan_iter(match=f"test:{uid}:*", count=1000)]
+        if keys:
+            await redis.delete(*keys)
+    finally:
+        await redis.aclose()
+
+
+@pytest.fixture
+async def db(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
+    """A direct connection to the test's schema, for assertions."""
+    conn = await asyncpg.connect(DATABASE_URL, server_settings={"search_path": settings.database_schema})
+    await init_connection(conn)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+OpenRuntime = Callable[..., AbstractAsyncContextManager[Runtime]]
+
+
+@pytest.fixture
+def open_runtime(settings: Settings, recorder: Recorder) -> OpenRuntime:
+    """``async with open_runtime(**overrides) as runtime`` — business logic is ``recorder``."""
+
+    @asynccontextmanager
+    async def open_(
+        handler: Callable[..., Awaitable[None]] | None = None, **overrides: Any
+    ) -> AsyncIterator[Runtime]:
+        current = Settings.model_validate({**settings.model_dump(), **overrides}) if overrides else settings
+        async with Runtime.open(current, pipeline=HandlerPipeline([handler or recorder])) as runtime:
+            yield runtime
+
+    return open_
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+@asynccontextmanager
+async def serving(runtime: Runtime) -> AsyncIterator[str]:
+    """The webhook app of ``runtime`` on a real port; yields its webhook URL."""
+    async with running_server(create_app(runtime.ingestion, runtime.settings)) as base:
+        yield base + "/api/internal/webhook"
+
+
+@pytest.fixture
+async def webhook(open_runtime: OpenRuntime) -> AsyncIterator[tuple[Runtime, str]]:
+    """A running webhook app with default test settings: ``(runtime, url)``."""
+    async with open_runtime() as runtime, serving(runtime) as url:
+        yield runtime, url
+
+
+@pytest.fixture
+async def proxy_factory() -> AsyncIterator[Callable[[str, int], Awaitable[TcpProxy]]]:
+    proxies: list[TcpProxy] = []
+
+    async def make(host: str, port: int) -> TcpProxy:
+        proxy = await TcpProxy(host, port).start()
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        await proxy.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logs.configure("INFO", LogFormat.TEXT, cache=False)

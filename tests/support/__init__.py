@@ -1,0 +1,128 @@
+"""Helpers shared by the tests: Evolution fixtures, a recording handler, a live server, waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import socket
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from evolution_ingest.events import Event
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "evolution_events.json"
+
+
+@cache
+def _load() -> tuple[dict[str, Any], ...]:
+    return tuple(json.loads(FIXTURES.read_text(encoding="utf-8")))
+
+
+def fixtures() -> list[dict[str, Any]]:
+    """The 20 Evolution events, each with its webhook and RabbitMQ form (deep copies)."""
+    return copy.deepcopy(list(_load()))
+
+
+def fixture(name: str) -> dict[str, Any]:
+    for item in fixtures():
+        if item["name"] == name:
+            return item
+    raise KeyError(name)
+
+
+def fixture_names() -> list[str]:
+    return [item["name"] for item in _load()]
+
+
+class Recorder:
+    """A business-logic handler that records each call; it can be slow or fail on purpose."""
+
+    def __init__(self, *, delay: float = 0.0, failures: int = 0) -> None:
+        self.calls: Counter[str] = Counter()
+        self.events: list[Event] = []
+        self.delay = delay
+        self.failures = failures
+        self.started = asyncio.Event()
+        self.changed = asyncio.Event()
+
+    async def __call__(self, event: Event) -> None:
+        self.started.set()
+        if self.delay:
+            await asyncio.sleep(self.delay)  # wait-ok: a deliberately slow handler
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError(f"handler failure on purpose ({self.failures} more)")
+        self.calls[event.dedup_key] += 1
+        self.events.append(event)
+        self.changed.set()
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def doubled(self) -> list[str]:
+        return [key for key, count in self.calls.items() if count > 1]
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    within: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> None:
+    """Poll ``condition`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        value = condition()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {message}")
+        await asyncio.sleep(interval)  # wait-ok: the poll interval of a bounded wait
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def dead_port() -> int:
+    """A loopback port nothing listens on (connections are refused)."""
+    sock = free_socket()
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+@asynccontextmanager
+async def running_server(app: ASGIApp) -> AsyncIterator[str]:
+    """Serve ``app`` over real HTTP on an ephemeral loopback port; yield its base URL."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, http="httptools")
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # signals belong to pytest
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await wait_until(lambda: server.started or task.done(), message="the server to start")
+        if task.done():
+            task.result()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+        sock.close()
