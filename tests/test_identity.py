@@ -173,7 +173,7 @@ date_times = st.datetimes().map(lambda d: d.isoformat(timespec="milliseconds") +
 @settings(max_examples=300)
 @given(
     event=event_names,
-    instance=st.text(min_size=1, max_size=12),
+    instance=st.text(min_size=1, max_size=12).filter(str.strip),
     data=json_values,
     date_time=date_times,
     seed=st.integers(0, 2**32),
