@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+import hypothesis
 import pytest
 from redis.asyncio import Redis
 
@@ -148,3 +149,7 @@ async def proxy_factory() -> AsyncIterator[Callable[[str, int], Awaitable[TcpPro
 
 def pytest_configure(config: pytest.Config) -> None:
     logs.configure("INFO", LogFormat.TEXT, cache=False)
+    # CI replays the same examples every run (no flaky discoveries); locally they vary.
+    hypothesis.settings.register_profile("ci", derandomize=True, deadline=None)
+    hypothesis.settings.register_profile("dev", deadline=None)
+    hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
