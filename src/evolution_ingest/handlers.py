@@ -38,6 +38,10 @@ async def log_summary(event: Event) -> None:
     )
 
 
+async def noop(event: Event) -> None:
+    """Does nothing: keep the inbox only, or measure the service itself (benchmarks)."""
+
+
 def summarize(event: Event) -> str:
     """A short description of what happened, never the text of a message."""
     data = event.data

@@ -1,0 +1,223 @@
+"""Pieces shared by the benchmarks: processes, an isolated schema, an HTTP load generator, figures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import asyncpg
+from redis.asyncio import Redis
+
+DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+RABBITMQ_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def peak_rss_mb(pid: int) -> float:
+    """Peak resident memory of a process (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Isolation:
+    """A schema and Redis prefixes of one benchmark run, removed afterwards."""
+
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+
+    @property
+    def schema(self) -> str:
+        return f"bench_{self.run_id}"
+
+    @property
+    def prefix(self) -> str:
+        return f"bench:{self.run_id}:"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EVOLUTION_INGEST_")}
+        env.update(
+            EVOLUTION_INGEST_DATABASE_URL=DATABASE_URL,
+            EVOLUTION_INGEST_DATABASE_SCHEMA=self.schema,
+            EVOLUTION_INGEST_REDIS_URL=REDIS_URL,
+            EVOLUTION_INGEST_RABBITMQ_URL=RABBITMQ_URL,
+            EVOLUTION_INGEST_REDIS_KEY_PREFIX=self.prefix,
+            EVOLUTION_INGEST_METRICS_PREFIX=self.prefix + "metrics:",
+            EVOLUTION_INGEST_INTERNAL_SECRET="bench-secret-" + self.run_id,
+            EVOLUTION_INGEST_HANDLERS="evolution_ingest.handlers:noop",
+            EVOLUTION_INGEST_LOG_LEVEL="WARNING",
+            EVOLUTION_INGEST_LOG_FORMAT="json",
+        )
+        env.update({f"EVOLUTION_INGEST_{k}": v for k, v in extra.items()})
+        return env
+
+    async def cleanup(self) -> None:
+        conn = await asyncpg.connect(DATABASE_URL)
+        try:
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+        finally:
+            await conn.close()
+        redis = Redis.from_url(REDIS_URL)
+        try:
+            keys = [k async for k in redis.scan_iter(match=self.prefix + "*", count=5000)]
+            for start in range(0, len(keys), 1000):
+                await redis.delete(*keys[start : start + 1000])
+        finally:
+            await redis.aclose()
+
+
+@asynccontextmanager
+async def process(args: Sequence[str], env: dict[str, str], name: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A child process, stopped with SIGTERM (then SIGKILL) on exit."""
+    proc = await asyncio.create_subprocess_exec(*args, env=env, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    log: list[bytes] = []
+
+    async def drain() -> None:
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            log.append(line)
+            del log[:-50]
+
+    drainer = asyncio.create_task(drain())
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        drainer.cancel()
+        if proc.returncode not in (0, -signal.SIGTERM):
+            sys.stderr.write(f"{name} exited with {proc.returncode}; last lines:\n")
+            sys.stderr.write(b"".join(log).decode(errors="replace"))
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "evolution_ingest", *args]
+
+
+async def wait_http(url: str, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    async with aiohttp.ClientSession() as http:
+        while True:
+            try:
+                async with http.get(url) as resp:
+                    if resp.status < 500:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer within {within}s")
+            await asyncio.sleep(0.1)
+
+
+@dataclass
+class LoadResult:
+    count: int
+    seconds: float
+    latencies_ms: list[float]
+    statuses: dict[int, int]
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds else 0.0
+
+    def percentile(self, p: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+async def post_all(
+    url: str,
+    bodies: Sequence[bytes],
+    concurrency: int = 64,
+    max_seconds: float = 120,
+    headers: dict[str, str] | None = None,
+) -> LoadResult:
+    """POST every body with ``concurrency`` requests in flight (bounded by count and time)."""
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    deadline = time.monotonic() + max_seconds
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def worker() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    body = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                started = time.perf_counter()
+                async with http.post(url, data=body, headers=hdrs) as resp:
+                    await resp.read()
+                    statuses[resp.status] = statuses.get(resp.status, 0) + 1
+                latencies.append((time.perf_counter() - started) * 1000)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return LoadResult(len(latencies), elapsed, latencies, statuses)
+
+
+async def timed(step: Callable[[], Awaitable[Any]]) -> float:
+    started = time.perf_counter()
+    await step()
+    return time.perf_counter() - started
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.2f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
