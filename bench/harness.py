@@ -95,7 +95,9 @@ class Isolation:
 
 
 @asynccontextmanager
-async def process(args: Sequence[str], env: dict[str, str], name: str) -> AsyncIterator[asyncio.subprocess.Process]:
+async def process(
+    args: Sequence[str], env: dict[str, str], name: str
+) -> AsyncIterator[asyncio.subprocess.Process]:
     """A child process, stopped with SIGTERM (then SIGKILL) on exit."""
     proc = await asyncio.create_subprocess_exec(*args, env=env, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None

@@ -25,11 +25,23 @@ async def main(events: int, concurrency: int, max_seconds: float) -> None:
     rows = []
     try:
         bare_port = free_port()
-        async with process([sys.executable, "-m", "bench.bare", str(bare_port)], iso.env(), "bare endpoint") as bare:
+        async with process(
+            [sys.executable, "-m", "bench.bare", str(bare_port)], iso.env(), "bare endpoint"
+        ) as bare:
             await wait_http(f"http://127.0.0.1:{bare_port}/healthz")
             ceiling = await post_all(f"http://127.0.0.1:{bare_port}/bare", bodies, concurrency, max_seconds)
-            rows.append(["bare endpoint (parse JSON only)", ceiling.count, ceiling.rate, ceiling.percentile(50),
-                         ceiling.percentile(99), 1.0, peak_rss_mb(bare.pid), ceiling.statuses])
+            rows.append(
+                [
+                    "bare endpoint (parse JSON only)",
+                    ceiling.count,
+                    ceiling.rate,
+                    ceiling.percentile(50),
+                    ceiling.percentile(99),
+                    1.0,
+                    peak_rss_mb(bare.pid),
+                    ceiling.statuses,
+                ]
+            )
 
         port = free_port()
         env = iso.env(PORT=str(port))
@@ -38,19 +50,40 @@ async def main(events: int, concurrency: int, max_seconds: float) -> None:
             url = f"http://127.0.0.1:{port}/api/internal/webhook"
             warm = [orjson.dumps(unique_event(events + n, "warm-up")[0]) for n in range(500)]
             await post_all(url, warm, concurrency, max_seconds)
-            for label, batch in (("webhook, unique events", bodies), ("webhook, every event again (duplicates)", bodies)):
+            for label, batch in (
+                ("webhook, unique events", bodies),
+                ("webhook, every event again (duplicates)", bodies),
+            ):
                 result = await post_all(url, batch, concurrency, max_seconds)
-                rows.append([label, result.count, result.rate, result.percentile(50), result.percentile(99),
-                             result.rate / ceiling.rate, peak_rss_mb(app.pid), result.statuses])
+                rows.append(
+                    [
+                        label,
+                        result.count,
+                        result.rate,
+                        result.percentile(50),
+                        result.percentile(99),
+                        result.rate / ceiling.rate,
+                        peak_rss_mb(app.pid),
+                        result.statuses,
+                    ]
+                )
     finally:
         await iso.cleanup()
-    print(table(rows, ["scenario", "requests", "req/s", "p50 ms", "p99 ms", "× bare", "peak RSS MiB", "statuses"]))
+    print(
+        table(
+            rows, ["scenario", "requests", "req/s", "p50 ms", "p99 ms", "× bare", "peak RSS MiB", "statuses"]
+        )
+    )
     unique, dup = rows[1][2], rows[2][2]
-    print(f"\nduplicates vs unique: {dup / unique:.2f}×   (concurrency {concurrency}, {events} events per phase)")
+    print(
+        f"\nduplicates vs unique: {dup / unique:.2f}×   (concurrency {concurrency}, {events} events per phase)"
+    )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-seconds", type=float, default=120)
