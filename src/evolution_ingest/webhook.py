@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from evolution_ingest.auth import INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
+from evolution_ingest.body import BodyRejected, load_body
 from evolution_ingest.config import Settings
 from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
 from evolution_ingest.inbox import StoreUnavailable
@@ -51,20 +52,6 @@ class _Refused(Exception):
 
 def _json(status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
-
-
-def count_keys(value: Any, limit: int) -> int:
-    """Object keys in a parsed JSON value, counting stops just past ``limit``."""
-    total = 0
-    stack = [value]
-    while stack and total <= limit:
-        item = stack.pop()
-        if isinstance(item, dict):
-            total += len(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,13 +124,10 @@ class WebhookApp:
             if size > self._max_body:
                 raise _Refused(413, f"body larger than {self._max_body} bytes")
             chunks.append(chunk)
-        raw = b"".join(chunks)
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _Refused(400, f"malformed JSON: {exc}") from None
-        if raw.count(b":") > self._max_keys and count_keys(body, self._max_keys) > self._max_keys:
-            raise _Refused(413, f"more than {self._max_keys} keys in the body")
+            body = load_body(b"".join(chunks), max_bytes=self._max_body, max_keys=self._max_keys)
+        except BodyRejected as exc:
+            raise _Refused(exc.status, exc.reason) from None
         internal = isinstance(body, dict) and "already_saved" in body
         if internal:
             if not isinstance(body["already_saved"], bool):
