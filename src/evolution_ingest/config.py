@@ -16,6 +16,8 @@ from typing import Annotated, Any, Final
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from evolution_ingest.identity import EMITTED_EVENTS, normalize_event_name
+
 ENV_PREFIX: Final = "EVOLUTION_INGEST_"
 
 
@@ -36,6 +38,17 @@ class WebhookAuth(enum.StrEnum):
     JWT = "jwt"
     #: The instance ``apikey`` in the body, checked against a configured list.
     APIKEY = "apikey"
+
+
+class RabbitMode(enum.StrEnum):
+    """Which queues the worker consumes (see the README for what each means for Evolution)."""
+
+    #: Evolution's global queues ``<prefix>.<event>`` on one exchange (RABBITMQ_GLOBAL_ENABLED).
+    GLOBAL = "global"
+    #: Evolution's per-instance queues ``<instance>.<event>`` on one exchange per instance.
+    INSTANCE = "instance"
+    #: One queue of this service's own, bound to the exchange(s) for every listed event.
+    OWN = "own"
 
 
 class LogFormat(enum.StrEnum):
@@ -96,6 +109,38 @@ class Settings(BaseSettings):
     #: Run migrations when ``serve`` starts (``up`` always does).
     migrate_on_start: bool = False
 
+    # --- the RabbitMQ channel ----------------------------------------------------------
+    rabbitmq_mode: RabbitMode = RabbitMode.GLOBAL
+    #: Evolution's RABBITMQ_EXCHANGE_NAME (global mode and own mode in global setups).
+    rabbitmq_exchange: str = Field(default="evolution_exchange", min_length=1)
+    #: Evolution's RABBITMQ_PREFIX_KEY; empty when Evolution has none (queues are then ``<event>``).
+    rabbitmq_prefix: str = "evolution"
+    #: Instances whose exchanges and queues to consume (instance mode; own mode with no global exchange).
+    rabbitmq_instances: CsvList = Field(default_factory=list)
+    #: Events to consume; default: every event Evolution emits.
+    rabbitmq_events: CsvList = Field(default_factory=lambda: list(EMITTED_EVENTS))
+    #: The service's own queue in ``own`` mode.
+    rabbitmq_queue: str = Field(default="evolution-ingest.events", min_length=1)
+    #: Prefix of the service's retry, lock-busy, ready and parking queues.
+    rabbitmq_service_prefix: str = Field(default="evolution-ingest", min_length=1)
+    #: Unacknowledged messages per consumed queue.
+    rabbitmq_prefetch: int = Field(default=32, ge=1, le=10_000)
+    #: Messages processed at once by one worker, across all its queues.
+    worker_concurrency: int = Field(default=64, ge=1, le=10_000)
+    #: Delay of each retry tier after a failed forward; after the last, the parking queue.
+    retry_delays_seconds: Annotated[list[float], NoDecode] = Field(default_factory=lambda: [5.0, 30.0, 180.0])
+    #: How long a message whose event is locked (being processed elsewhere) waits before it comes back.
+    lock_busy_delay_seconds: float = Field(default=2.0, gt=0)
+    #: Returns after which a locked message is acknowledged anyway (it is saved; the reconciler heals it).
+    lock_busy_max_returns: int = Field(default=30, ge=0)
+    #: Where the worker forwards saved events; default: this host's webhook app.
+    forward_url: str | None = None
+    forward_timeout_seconds: float = Field(default=30.0, gt=0)
+    #: How long a stopping worker waits for messages in flight before closing.
+    shutdown_timeout_seconds: float = Field(default=30.0, gt=0)
+    #: How often the worker checks that its consumers are really registered on the broker.
+    rabbitmq_watchdog_seconds: float = Field(default=30.0, gt=0)
+
     # --- business logic -------------------------------------------------------------
     #: ``pkg.module:function,...``; empty means the built-in one-line log.
     handlers: CsvList = Field(default_factory=list)
@@ -114,15 +159,29 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_format: LogFormat = LogFormat.AUTO
 
-    @field_validator("webhook_auth", "handlers", mode="before")
+    @field_validator("webhook_auth", "handlers", "rabbitmq_instances", "rabbitmq_events", mode="before")
     @classmethod
     def _csv(cls, value: Any) -> Any:
         return _split_csv(value)
 
-    @field_validator("webhook_apikeys", mode="before")
+    @field_validator("webhook_apikeys", "retry_delays_seconds", mode="before")
     @classmethod
-    def _csv_secrets(cls, value: Any) -> Any:
+    def _csv_values(cls, value: Any) -> Any:
         return _split_csv(value)
+
+    @field_validator("retry_delays_seconds")
+    @classmethod
+    def _positive_delays(cls, value: list[float]) -> list[float]:
+        if not value or any(delay <= 0 for delay in value):
+            raise ValueError("give one or more positive delays in seconds, e.g. 5,30,180")
+        return value
+
+    @field_validator("rabbitmq_events")
+    @classmethod
+    def _event_names(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("list at least one event, e.g. messages.upsert,connection.update")
+        return [normalize_event_name(event) for event in value]
 
     @field_validator("webhook_auth")
     @classmethod
@@ -173,6 +232,22 @@ class Settings(BaseSettings):
         if not value.startswith(("amqp://", "amqps://")):
             raise ValueError("must start with amqp:// or amqps://")
         return value
+
+    @model_validator(mode="after")
+    def _instances_for_instance_mode(self) -> Settings:
+        if self.rabbitmq_mode is RabbitMode.INSTANCE and not self.rabbitmq_instances:
+            raise _FieldError("rabbitmq_instances", "required by RABBITMQ_MODE instance")
+        return self
+
+    @property
+    def webhook_forward_url(self) -> str:
+        """Where the worker and the reconciler send forwards."""
+        if self.forward_url:
+            return self.forward_url
+        host = "127.0.0.1" if self.host in {"0.0.0.0", "::", ""} else self.host  # noqa: S104 - mapping, not binding
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/api/internal/webhook"
 
     @model_validator(mode="after")
     def _auth_needs_secrets(self) -> Settings:

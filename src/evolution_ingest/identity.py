@@ -65,6 +65,11 @@ EVENT_NAMES: Final[Mapping[str, str]] = {
     "LOGOUT_INSTANCE": "logout.instance",
 }
 
+#: Events Evolution can publish to webhooks and RabbitMQ (``creds.update`` stays inside it).
+EMITTED_EVENTS: Final[tuple[str, ...]] = tuple(
+    sorted(name for name in EVENT_NAMES.values() if name != "creds.update")
+)
+
 #: Events identified by content alone (a re-emission is the same event).
 MESSAGE_EVENTS: Final[frozenset[str]] = frozenset(
     {
