@@ -6,10 +6,12 @@ never see each other's rows, locks or counters, and leave nothing behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,11 +22,15 @@ from redis.asyncio import Redis
 
 from evolution_ingest import logs
 from evolution_ingest.config import LogFormat, Settings
+from evolution_ingest.forward import HttpForwarder
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.inbox import init_connection
 from evolution_ingest.runtime import Runtime, run_migrations
+from evolution_ingest.topology import Topology
 from evolution_ingest.webhook import create_app
-from tests.support import Recorder, running_server
+from evolution_ingest.worker import Worker
+from tests.support import Recorder, fixtures, running_server
+from tests.support.evolution import remove
 from tests.support.proxy import TcpProxy
 
 DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -54,6 +60,17 @@ def make_settings(uid: str) -> Callable[..., Settings]:
             "metrics_flush_seconds": 0.2,
             "database_timeout_seconds": 2.0,
             "redis_timeout_seconds": 0.3,
+            # RabbitMQ names of this test only; short delays.
+            "rabbitmq_exchange": f"evo-{uid}",
+            "rabbitmq_prefix": f"p{uid}",
+            "rabbitmq_service_prefix": f"ei-{uid}",
+            "rabbitmq_queue": f"ei-{uid}.events",
+            "rabbitmq_events": sorted({item["event"] for item in fixtures()}),
+            "retry_delays_seconds": [0.3, 0.6, 0.9],
+            "lock_busy_delay_seconds": 0.2,
+            "rabbitmq_watchdog_seconds": 1.0,
+            "shutdown_timeout_seconds": 5.0,
+            "forward_timeout_seconds": 5.0,
         }
         values.update(overrides)
         return Settings(_env_file=None, **values)  # type: ignore[call-arg]
@@ -145,6 +162,54 @@ async def proxy_factory() -> AsyncIterator[Callable[[str, int], Awaitable[TcpPro
     yield make
     for proxy in proxies:
         await proxy.close()
+
+
+@dataclass
+class Service:
+    """A webhook app and a worker sharing one runtime, as `up` runs them."""
+
+    runtime: Runtime
+    url: str
+    worker: Worker
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    async def stop_worker(self, within: float = 20) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, within)
+
+
+@asynccontextmanager
+async def worker_for(
+    runtime: Runtime, forward_url: str
+) -> AsyncIterator[tuple[Worker, asyncio.Event, asyncio.Task[None]]]:
+    settings = runtime.settings
+    assert settings.internal_secret is not None
+    forwarder = HttpForwarder(
+        forward_url, settings.internal_secret.get_secret_value(), timeout=settings.forward_timeout_seconds
+    )
+    worker = Worker(ingestion=runtime.ingestion, forwarder=forwarder, settings=settings)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.consuming.wait(), 20)
+        yield worker, stop, task
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, 30)
+        finally:
+            await forwarder.close()
+
+
+@asynccontextmanager
+async def running_service(runtime: Runtime, forward_url: str | None = None) -> AsyncIterator[Service]:
+    """Webhook app on a real port plus a worker forwarding to it (or to ``forward_url``)."""
+    try:
+        async with serving(runtime) as url, worker_for(runtime, forward_url or url) as (worker, stop, task):
+            yield Service(runtime, url, worker, stop, task)
+    finally:
+        await remove(RABBITMQ_URL, Topology(runtime.settings))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -18,8 +18,10 @@ import pytest
 from redis.asyncio import Redis
 
 from evolution_ingest.config import Settings
-from tests.conftest import DATABASE_URL, INTERNAL_SECRET, REDIS_URL
+from evolution_ingest.topology import Topology
+from tests.conftest import DATABASE_URL, INTERNAL_SECRET, RABBITMQ_URL, REDIS_URL
 from tests.support import dead_port, fixture, free_socket, wait_until
+from tests.support.evolution import EvolutionPublisher, broker, consumer_count, depth, remove
 
 
 def env_for(settings: Settings, **extra: str) -> dict[str, str]:
@@ -33,6 +35,12 @@ def env_for(settings: Settings, **extra: str) -> dict[str, str]:
             "EVOLUTION_INGEST_REDIS_KEY_PREFIX": settings.redis_key_prefix,
             "EVOLUTION_INGEST_INTERNAL_SECRET": INTERNAL_SECRET,
             "EVOLUTION_INGEST_LOG_FORMAT": "json",
+            "EVOLUTION_INGEST_RABBITMQ_URL": settings.rabbitmq_url,
+            "EVOLUTION_INGEST_RABBITMQ_EXCHANGE": settings.rabbitmq_exchange,
+            "EVOLUTION_INGEST_RABBITMQ_PREFIX": settings.rabbitmq_prefix,
+            "EVOLUTION_INGEST_RABBITMQ_SERVICE_PREFIX": settings.rabbitmq_service_prefix,
+            "EVOLUTION_INGEST_RABBITMQ_EVENTS": ",".join(settings.rabbitmq_events),
+            "EVOLUTION_INGEST_RETRY_DELAYS_SECONDS": ",".join(map(str, settings.retry_delays_seconds)),
         }
     )
     env.update({f"EVOLUTION_INGEST_{k}": v for k, v in extra.items()})
@@ -71,12 +79,93 @@ async def healthy(http: aiohttp.ClientSession, port: int) -> bool:
         return False
 
 
+@asynccontextmanager
+async def _removing_topology(settings: Settings) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        await remove(RABBITMQ_URL, Topology(settings))
+
+
 def test_help_lists_the_commands() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "evolution_ingest", "--help"], capture_output=True, text=True, check=True
     )
-    for command in ("migrate", "serve", "up"):
+    for command in ("migrate", "serve", "worker", "topology", "up"):
         assert command in result.stdout
+
+
+def test_the_worker_refuses_to_start_without_the_internal_secret(
+    make_settings: Callable[..., Settings],
+) -> None:
+    env = env_for(make_settings())
+    del env["EVOLUTION_INGEST_INTERNAL_SECRET"]
+    result = run_cli(env, "worker")
+    assert result.returncode == 1
+    assert "EVOLUTION_INGEST_INTERNAL_SECRET: required by the worker" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+async def test_topology_declares_what_evolution_declares_and_twice_is_harmless(
+    make_settings: Callable[..., Settings],
+) -> None:
+    settings = make_settings()
+    env = env_for(settings)
+    async with _removing_topology(settings):
+        first = run_cli(env, "topology")
+        second = run_cli(env, "topology")
+        assert first.returncode == 0, first.stderr
+        assert second.returncode == 0, second.stderr
+        assert (
+            f"consume {settings.rabbitmq_prefix}.messages.upsert  <- {settings.rabbitmq_exchange} [messages.upsert]"
+            in first.stdout
+        )
+        assert "retry tier 1:" in first.stdout
+        assert "parking:" in first.stdout
+        # Evolution declaring its side afterwards does not clash (no PRECONDITION_FAILED).
+        async with broker(RABBITMQ_URL) as (_, channel):
+            publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
+            await publisher.publish_global(fixture("call_offer")["rabbitmq_body"], "call")
+            assert await depth(channel, f"{settings.rabbitmq_prefix}.call") == 1
+            tier = Topology(settings).tiers[0].queue
+            assert await depth(channel, tier) == 0
+
+
+async def test_up_processes_an_event_published_to_rabbitmq(
+    settings: Settings, http: aiohttp.ClientSession, db: asyncpg.Connection
+) -> None:
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    env = env_for(settings, PORT=str(port))
+    del env["EVOLUTION_INGEST_INTERNAL_SECRET"]  # up makes its own for the run
+    item = fixture("connection_update_open")
+    async with running(env, "up") as proc, _removing_topology(settings):
+        await wait_until(lambda: healthy(http, port), within=30, message="up to answer")
+        async with broker(RABBITMQ_URL) as (_, channel):
+            publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
+
+            async def consumed() -> bool:
+                return (
+                    await consumer_count(RABBITMQ_URL, f"{settings.rabbitmq_prefix}.connection.update") == 1
+                )
+
+            await wait_until(consumed, within=30, message="the worker to consume")
+            await publisher.publish_global(item["rabbitmq_body"], item["routing_key"])
+
+        async def processed() -> bool:
+            return (
+                await db.fetchval(
+                    "SELECT count(*) FROM evolution_ingestion_events WHERE processed_at IS NOT NULL"
+                )
+                == 1
+            )
+
+        await wait_until(processed, within=30, message="the event processed")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    row = await db.fetchrow("SELECT channel, rabbitmq_seen_at FROM evolution_ingestion_events")
+    assert row["channel"] == "RABBITMQ"
 
 
 def test_migrate_creates_the_schema_and_a_second_run_changes_nothing(
@@ -150,7 +239,7 @@ async def test_the_service_answers_then_stops_cleanly_on_sigterm(
     sock.close()
     env = env_for(settings, PORT=str(port), METRICS_FLUSH_SECONDS="30")
     body: dict[str, Any] = fixture("messages_upsert_text_incoming")["webhook_body"]
-    async with running(env, command) as proc:
+    async with running(env, command) as proc, _removing_topology(settings):
         await wait_until(lambda: healthy(http, port), within=30, message=f"{command} to answer")
         async with http.post(
             f"http://127.0.0.1:{port}/api/internal/webhook", data=orjson.dumps(body)

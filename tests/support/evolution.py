@@ -1,0 +1,112 @@
+"""Evolution API as seen from RabbitMQ: publish exactly as it does, and look at queues."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aio_pika
+import orjson
+from aio_pika.abc import AbstractChannel, AbstractConnection
+
+from evolution_ingest.topology import Topology, evolution_queue
+
+QUORUM = {"x-queue-type": "quorum"}
+
+
+class EvolutionPublisher:
+    """Mimics Evolution's RabbitmqController.emit: assert exchange, assert queue, bind, publish.
+
+    No message properties, no publisher confirms on Evolution's side; this test double
+    waits for confirms only so that a test knows the broker has the message.
+    """
+
+    def __init__(self, channel: AbstractChannel, exchange: str, prefix: str) -> None:
+        self._channel = channel
+        self._exchange = exchange
+        self._prefix = prefix
+
+    async def publish_global(self, body: dict[str, Any] | bytes, event: str) -> None:
+        exchange = await self._channel.declare_exchange(
+            self._exchange, aio_pika.ExchangeType.TOPIC, durable=True, auto_delete=False
+        )
+        queue = await self._channel.declare_queue(
+            evolution_queue(self._prefix, event), durable=True, auto_delete=False, arguments=QUORUM
+        )
+        await queue.bind(exchange, routing_key=event)
+        await exchange.publish(_message(body), routing_key=event)
+
+    async def publish_instance(self, body: dict[str, Any] | bytes, event: str, instance: str) -> None:
+        exchange = await self._channel.declare_exchange(
+            instance, aio_pika.ExchangeType.TOPIC, durable=True, auto_delete=False
+        )
+        queue = await self._channel.declare_queue(
+            f"{instance}.{event}", durable=True, auto_delete=False, arguments=QUORUM
+        )
+        await queue.bind(exchange, routing_key=event)
+        await exchange.publish(_message(body), routing_key=event)
+
+
+def _message(body: dict[str, Any] | bytes) -> aio_pika.Message:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return aio_pika.Message(body=raw)
+
+
+@asynccontextmanager
+async def broker(url: str) -> AsyncIterator[tuple[AbstractConnection, AbstractChannel]]:
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        yield connection, await connection.channel(publisher_confirms=True)
+    finally:
+        with contextlib.suppress(Exception):
+            await connection.close()
+
+
+async def depth(channel: AbstractChannel, queue: str) -> int:
+    declared = await channel.declare_queue(queue, passive=True)
+    count = declared.declaration_result.message_count
+    return int(count or 0)
+
+
+async def consumers(channel: AbstractChannel, queue: str) -> int:
+    declared = await channel.declare_queue(queue, passive=True)
+    return int(declared.declaration_result.consumer_count or 0)
+
+
+async def consumer_count(url: str, queue: str) -> int:
+    """Consumers on ``queue``; 0 when it does not exist yet."""
+    try:
+        async with broker(url) as (_, channel):
+            return await consumers(channel, queue)
+    except aio_pika.exceptions.AMQPException:
+        return 0
+
+
+async def take_all(channel: AbstractChannel, queue: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Every message of ``queue`` (acknowledged, so it leaves the queue)."""
+    declared = await channel.get_queue(queue, ensure=False)
+    taken = []
+    while (message := await declared.get(fail=False, no_ack=False)) is not None:
+        await message.ack()
+        taken.append(message)
+    return taken
+
+
+async def remove(url: str, topology: Topology, extra_queues: list[str] | None = None) -> None:
+    """Delete a test's queues and exchanges (each on its own channel: a miss closes it)."""
+    connection = await aio_pika.connect(url, timeout=10)
+    try:
+        for name in [*topology.consumed_queues, *topology.service_queues, *(extra_queues or [])]:
+            with contextlib.suppress(Exception):
+                channel = await connection.channel()
+                await channel.queue_delete(name)
+                await channel.close()
+        for name in topology.exchanges:
+            with contextlib.suppress(Exception):
+                channel = await connection.channel()
+                await channel.exchange_delete(name)
+                await channel.close()
+    finally:
+        await connection.close()
