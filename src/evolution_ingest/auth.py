@@ -18,6 +18,10 @@ import jwt
 from evolution_ingest.config import Settings, WebhookAuth
 
 INTERNAL_SECRET_HEADER: Final = "x-internal-webhook-secret"  # noqa: S105 - a header name
+#: On a forward: the inbox row's key, trusted because the secret authenticates the caller.
+#: It keeps a forward tied to its row even if the stored copy differs from the original
+#: (a NUL replaced for jsonb), and spares the webhook app the hashing.
+DEDUP_KEY_HEADER: Final = "x-evolution-ingest-dedup-key"
 
 
 def _same(presented: str | None, expected: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from evolution_ingest.auth import INTERNAL_SECRET_HEADER
+from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
 
 
 class Delivery(enum.StrEnum):
@@ -35,7 +35,7 @@ class ForwardResult:
 
 
 class Forwarder(Protocol):
-    async def forward(self, body: Mapping[str, Any]) -> ForwardResult: ...
+    async def forward(self, body: Mapping[str, Any], dedup_key: str) -> ForwardResult: ...
 
     async def close(self) -> None: ...
 
@@ -68,10 +68,12 @@ class HttpForwarder:
     def url(self) -> str:
         return self._url
 
-    async def forward(self, body: Mapping[str, Any]) -> ForwardResult:
+    async def forward(self, body: Mapping[str, Any], dedup_key: str) -> ForwardResult:
+        """Send a saved event (``body``, the inbox row's key ``dedup_key``) to the webhook app."""
         payload = orjson.dumps({**body, "already_saved": True})
+        headers = {**self._headers, DEDUP_KEY_HEADER: dedup_key}
         try:
-            async with self._session.post(self._url, data=payload, headers=self._headers) as response:
+            async with self._session.post(self._url, data=payload, headers=headers) as response:
                 raw = await response.read()
                 status = response.status
         except TimeoutError:

@@ -120,13 +120,16 @@ class RedisLocks:
             log.warning("redis unavailable, continuing with Postgres alone", op=operation, error=repr(exc))
         self._down_until = time.monotonic() + self._retry_after
 
-    async def acquire(self, dedup_key: str, token: str, channel: Channel) -> Probe:
-        """Try to take the lock; also read the seen marker. One round trip."""
+    async def acquire(self, dedup_key: str, token: str, channel: Channel | None) -> Probe:
+        """Try to take the lock; also read the seen marker. One round trip.
+
+        ``channel`` is the channel of the copy (None for the reconciler and replays).
+        """
         if self._skip():
             return UNAVAILABLE
         try:
             acquired, processed, recorded = await self._acquire(
-                keys=self._keys(dedup_key), args=[token, self._lock_ttl_ms, channel.value]
+                keys=self._keys(dedup_key), args=[token, self._lock_ttl_ms, channel.value if channel else "-"]
             )
         except (RedisError, OSError) as exc:
             self._failed("acquire", exc)

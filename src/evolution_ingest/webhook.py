@@ -15,6 +15,8 @@ too large; 500 a handler failed (the event stays saved and will be retried);
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from evolution_ingest.auth import INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
+from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
 from evolution_ingest.body import BodyRejected, load_body
 from evolution_ingest.config import Settings
 from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
@@ -37,6 +39,7 @@ from evolution_ingest.ingestion import INTERNAL, Ingestion, Outcome, Result
 log = structlog.get_logger(__name__)
 
 WEBHOOK_PATH: Final = "/api/internal/webhook"
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
 _CHANNEL: Final = "webhook"
 
 
@@ -58,6 +61,24 @@ def _json(status: int, body: Mapping[str, Any], headers: Mapping[str, str] | Non
 class _Call:
     envelope: Envelope
     internal: bool
+
+
+def _is_forward(body: Any) -> bool:
+    """A forward from the worker or the reconciler says ``already_saved: true``."""
+    if not isinstance(body, dict) or "already_saved" not in body:
+        return False
+    if not isinstance(body["already_saved"], bool):
+        raise _Refused(400, "field 'already_saved' must be a boolean")
+    return body["already_saved"]
+
+
+def _keyed(envelope: Envelope, key: str | None) -> Envelope:
+    """A forward names its inbox row; the header wins over the key computed from the body."""
+    if key is None:
+        return envelope
+    if not _HEX64.fullmatch(key):
+        raise _Refused(400, f"{DEDUP_KEY_HEADER} must be 64 lowercase hex characters")
+    return dataclasses.replace(envelope, dedup_key=key)
 
 
 class WebhookApp:
@@ -114,6 +135,29 @@ class WebhookApp:
         return self._answer(result)
 
     async def _read(self, request: Request) -> _Call:
+        body = await self._body(request)
+        internal = _is_forward(body)
+        if internal:
+            refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
+            if refusal:
+                raise _Refused(401, refusal, f"{INTERNAL}:unauthorized")
+        try:
+            envelope = parse_envelope(body)
+        except InvalidEvent as exc:
+            raise _Refused(400, exc.reason) from None
+        if internal:
+            return _Call(_keyed(envelope, request.headers.get(DEDUP_KEY_HEADER)), internal=True)
+        refusal = self._auth.refusal(
+            headers=request.headers,
+            url_token=request.path_params.get("token") or request.query_params.get("token"),
+            body=envelope.body,
+        )
+        if refusal:
+            raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
+        return _Call(envelope, internal=False)
+
+    async def _body(self, request: Request) -> Any:
+        """The parsed body, read within the size limit (declared or streamed)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_body:
             raise _Refused(413, f"body larger than {self._max_body} bytes")
@@ -125,31 +169,9 @@ class WebhookApp:
                 raise _Refused(413, f"body larger than {self._max_body} bytes")
             chunks.append(chunk)
         try:
-            body = load_body(b"".join(chunks), max_bytes=self._max_body, max_keys=self._max_keys)
+            return load_body(b"".join(chunks), max_bytes=self._max_body, max_keys=self._max_keys)
         except BodyRejected as exc:
             raise _Refused(exc.status, exc.reason) from None
-        internal = isinstance(body, dict) and "already_saved" in body
-        if internal:
-            if not isinstance(body["already_saved"], bool):
-                raise _Refused(400, "field 'already_saved' must be a boolean")
-            internal = body["already_saved"]
-        if internal:
-            refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
-            if refusal:
-                raise _Refused(401, refusal, f"{INTERNAL}:unauthorized")
-        try:
-            envelope = parse_envelope(body)
-        except InvalidEvent as exc:
-            raise _Refused(400, exc.reason) from None
-        if not internal:
-            refusal = self._auth.refusal(
-                headers=request.headers,
-                url_token=request.path_params.get("token") or request.query_params.get("token"),
-                body=envelope.body,
-            )
-            if refusal:
-                raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
-        return _Call(envelope, internal)
 
     def _answer(self, result: Result) -> Response:
         key = result.dedup_key
