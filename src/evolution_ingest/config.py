@@ -141,6 +141,22 @@ class Settings(BaseSettings):
     #: How often the worker checks that its consumers are really registered on the broker.
     rabbitmq_watchdog_seconds: float = Field(default=30.0, gt=0)
 
+    # --- the reconciler and maintenance ----------------------------------------------------
+    #: How often the reconciler looks for saved, unprocessed events.
+    reconcile_interval_seconds: float = Field(default=300.0, gt=0)
+    #: How old an unprocessed event must be before the reconciler re-forwards it.
+    reconcile_after_seconds: float = Field(default=120.0, ge=0)
+    #: Rows read per query, oldest first.
+    reconcile_batch_size: int = Field(default=200, ge=1, le=10_000)
+    #: Forwards in flight at once during a pass.
+    reconcile_concurrency: int = Field(default=8, ge=1, le=1_000)
+    #: Rows handled at most in one pass (the next pass goes on).
+    reconcile_max_per_pass: int = Field(default=10_000, ge=1)
+    #: Business-logic attempts after which an event is marked failed; only a replay retries it.
+    reconcile_max_attempts: int = Field(default=10, ge=1)
+    #: ``purge`` refuses a shorter age unless forced: it must outlast Evolution's ~20 min of retries.
+    purge_min_age_seconds: float = Field(default=86_400.0, ge=0)
+
     # --- business logic -------------------------------------------------------------
     #: ``pkg.module:function,...``; empty means the built-in one-line log.
     handlers: CsvList = Field(default_factory=list)
