@@ -12,7 +12,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import Final
+from typing import Final, TypeAlias
 
 import asyncpg
 
@@ -57,7 +57,10 @@ def _quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
-async def state(conn: asyncpg.Connection, schema: str) -> MigrationState:
+Connection: TypeAlias = "asyncpg.Connection | asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
+
+
+async def state(conn: Connection, schema: str) -> MigrationState:
     """What is applied in ``schema`` and what is still to do (no changes made)."""
     exists = await conn.fetchval("SELECT to_regclass($1)", f"{_quote(schema)}.{MIGRATIONS_TABLE}")
     rows = (
@@ -76,7 +79,7 @@ async def state(conn: asyncpg.Connection, schema: str) -> MigrationState:
     )
 
 
-async def migrate(conn: asyncpg.Connection, schema: str) -> list[Migration]:
+async def migrate(conn: Connection, schema: str) -> list[Migration]:
     """Apply the pending migrations to ``schema``; return those applied now."""
     lock_key = f"evolution_ingest:migrate:{schema}"
     await conn.execute("SELECT pg_advisory_lock(hashtext($1))", lock_key)

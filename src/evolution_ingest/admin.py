@@ -1,0 +1,193 @@
+"""Operator commands: ``status``, ``check``, ``inspect``, ``replay`` and ``purge``.
+
+Readable output for a person, ``--json`` for scripts. The data comes from
+``inspection`` (read-only) and ``maintenance`` (changes); the rendering from ``console``.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+
+from evolution_ingest import console, inspection, maintenance
+from evolution_ingest.assembly import (
+    build_reconciler,
+    forwarder,
+    load_settings,
+    operator_runtime,
+    run_async,
+    unavailable_is_an_error,
+)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def status(as_json: bool) -> None:
+    """Events per channel, pending / stuck / failed, retry tiers and parking, and the counters."""
+    settings = load_settings()
+
+    async def gather() -> dict[str, Any]:
+        async with operator_runtime(settings) as runtime:
+            return await inspection.status(runtime.inbox, runtime.counters, settings)
+
+    report = run_async(gather)
+    if as_json:
+        click.echo(maintenance.as_json(report))
+    else:
+        console.render_status(report)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def check(as_json: bool) -> None:
+    """Can the service work here? Stores, migrations, queues and consumers, secrets. Exit 1 on a failure."""
+    settings = load_settings()
+
+    async def run_checks() -> list[dict[str, str]]:
+        async with operator_runtime(settings) as runtime:
+            return await inspection.check(runtime.inbox, runtime.counters, settings)
+
+    results = run_async(run_checks)
+    if as_json:
+        click.echo(maintenance.as_json(results))
+    else:
+        console.render_check(results)
+    sys.exit(1 if any(result["state"] == "fail" for result in results) else 0)
+
+
+@click.command()
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True, help="Print the row as JSON.")
+@click.option("--show-apikey", is_flag=True, help="Show the stored apikey instead of redacting it.")
+def inspect(ref: str, as_json: bool, show_apikey: bool) -> None:
+    """One event: its row, channels, attempts, last error and stored payload (REF: id or dedup key)."""
+    settings = load_settings()
+
+    async def find() -> dict[str, Any]:
+        async with operator_runtime(settings) as runtime:
+            return await inspection.inspect(runtime.inbox, ref, show_apikey=show_apikey)
+
+    try:
+        row = run_async(unavailable_is_an_error(find))
+    except (LookupError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(maintenance.as_json(row))
+    else:
+        console.render_row(row)
+
+
+def _when(value: str | None) -> datetime | None:
+    """An ISO time (UTC if no zone), or an age back from now (``2h``)."""
+    if value is None:
+        return None
+    try:
+        return datetime.now(UTC) - timedelta(seconds=maintenance.parse_age(value))
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither an ISO time nor an age like 2h") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@click.command()
+@click.option("--failed/--no-failed", default=True, help="Replay events marked failed in the inbox.")
+@click.option("--parked/--no-parked", default=True, help="Replay messages in the parking queue.")
+@click.option("--event", help="Only this event (messages.upsert or MESSAGES_UPSERT).")
+@click.option("--instance", help="Only this instance.")
+@click.option("--since", help="Only from this time (ISO) or age (2h): received, or parked, since.")
+@click.option("--until", help="Only before this time (ISO) or age.")
+@click.option("--limit", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option("--dry-run", is_flag=True, help="Show what would be replayed; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def replay(
+    *,
+    failed: bool,
+    parked: bool,
+    event: str | None,
+    instance: str | None,
+    since: str | None,
+    until: str | None,
+    limit: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Send failed events and parked messages back through processing."""
+    settings = load_settings()
+    filters = maintenance.Filters(event, instance, _when(since), _when(until))
+    report = maintenance.ReplayReport(dry_run=dry_run)
+
+    async def run_replay() -> dict[str, Any]:
+        async with operator_runtime(settings) as runtime, forwarder(settings) as sender:
+            if failed:
+                rows = await maintenance.failed_rows(runtime.inbox, filters, limit)
+                with console.progress_bar("failed events", len(rows), enabled=not as_json) as advance:
+                    await maintenance.replay_failed(
+                        rows, build_reconciler(runtime, sender).resender, report, advance
+                    )
+            if parked:
+                with console.progress_bar("parked messages", None, enabled=not as_json) as advance:
+                    await maintenance.replay_parked(settings, filters, report, limit, advance)
+        return report.as_dict()
+
+    result = run_async(unavailable_is_an_error(run_replay))
+    if as_json:
+        click.echo(maintenance.as_json(result))
+    else:
+        console.render_replay(result)
+
+
+@click.command()
+@click.option(
+    "--older-than", "older_than", required=True, help="Age of processed rows to remove: 90m, 36h, 7d, 2w."
+)
+@click.option(
+    "--payload-only",
+    is_flag=True,
+    help="Drop the stored body but keep the key (late copies stay duplicates).",
+)
+@click.option("--force", is_flag=True, help="Allow an age below EVOLUTION_INGEST_PURGE_MIN_AGE_SECONDS.")
+@click.option("--batch-size", type=click.IntRange(min=1, max=100_000), default=5_000, show_default=True)
+@click.option("--dry-run", is_flag=True, help="Count what would be purged; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def purge(
+    *, older_than: str, payload_only: bool, force: bool, batch_size: int, dry_run: bool, as_json: bool
+) -> None:
+    """Delete processed rows older than an age, in batches. Never an unprocessed row."""
+    settings = load_settings()
+    try:
+        age = maintenance.parse_age(older_than)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--older-than") from None
+    # Dropping payloads keeps the keys, so late copies are still recognised: no minimum then.
+    if age < settings.purge_min_age_seconds and not (force or payload_only):
+        raise click.ClickException(
+            f"--older-than {older_than} is shorter than the safe minimum of {settings.purge_min_age_seconds:g}s "
+            "(EVOLUTION_INGEST_PURGE_MIN_AGE_SECONDS): a late webhook retry of a purged event would run again. "
+            "Use --payload-only (keeps the keys), or --force."
+        )
+    report = maintenance.PurgeReport(dry_run=dry_run, payload_only=payload_only, older_than_seconds=age)
+
+    async def run_purge() -> dict[str, Any]:
+        async with operator_runtime(settings) as runtime:
+            total = await maintenance.purge_count(runtime.inbox, age, payload_only)
+            if dry_run:
+                report.rows = total
+            else:
+                with console.progress_bar("purging", total, enabled=not as_json) as advance:
+                    await maintenance.purge(runtime.inbox, report, batch_size=batch_size, progress=advance)
+        return report.as_dict()
+
+    result = run_async(unavailable_is_an_error(run_purge))
+    if as_json:
+        click.echo(maintenance.as_json(result))
+    else:
+        console.render_purge(result, older_than)
+
+
+COMMANDS = [status, check, inspect, replay, purge]

@@ -1,0 +1,196 @@
+"""Rendering operator reports for a person (``--json`` prints the same data as JSON instead)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.syntax import Syntax
+from rich.table import Table
+
+from evolution_ingest.maintenance import as_json
+
+# Wide when piped, so that keys and errors stay on one line in logs and files.
+console = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+
+_STATE_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+_CHANNEL_COLUMNS = ("received", "processed", "skipped_duplicate", "skipped_locked", "failed")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _section_error(title: str, section: dict[str, Any]) -> bool:
+    if section.get("ok"):
+        return False
+    console.print(f"[bold]{title}[/]: [red]unavailable[/] ({section.get('error')})")
+    return True
+
+
+def render_status(report: dict[str, Any]) -> None:
+    console.print(f"[bold]evolution-ingest status[/] at {report['at']}")
+    inbox = report["inbox"]
+    if not _section_error("Inbox", inbox):
+        table = Table(title="Inbox", box=box.SIMPLE, title_justify="left")
+        for column in (
+            "pending",
+            f"stuck (> {_age(inbox['stuck_after_seconds'])})",
+            "failed",
+            "oldest pending",
+            "rows",
+        ):
+            table.add_column(column, justify="right")
+        table.add_row(
+            str(inbox["pending"]),
+            _warn_if(inbox["stuck"]),
+            _warn_if(inbox["failed"]),
+            _age(inbox["oldest_pending_age_seconds"]),
+            str(inbox["rows"]),
+        )
+        console.print(table)
+    counters = report["counters"]
+    if not _section_error("Counters", counters):
+        table = Table(
+            title="Per channel (counters since the counters were created)",
+            box=box.SIMPLE,
+            title_justify="left",
+        )
+        table.add_column("channel")
+        for column in _CHANNEL_COLUMNS:
+            table.add_column(column.replace("skipped_", "skipped "), justify="right")
+        for channel in ("webhook", "rabbitmq", "internal"):
+            values = counters.get(channel, {})
+            table.add_row(channel, *(str(values.get(column, 0)) for column in _CHANNEL_COLUMNS))
+        console.print(table)
+        extra = {
+            f"{channel}:{name}": value
+            for channel, values in counters.items()
+            if isinstance(values, dict)
+            for name, value in values.items()
+            if not (channel in {"webhook", "rabbitmq", "internal"} and name in _CHANNEL_COLUMNS)
+        }
+        if extra:
+            console.print("Other counters: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
+    rabbit = report["rabbitmq"]
+    if not _section_error("RabbitMQ", rabbit):
+        table = Table(title=f"RabbitMQ ({rabbit['mode']} mode)", box=box.SIMPLE, title_justify="left")
+        for column in ("queue", "messages", "consumers"):
+            table.add_column(column, justify="right" if column != "queue" else "left")
+        rows = [
+            *rabbit["retry_tiers"].items(),
+            ("lock busy", rabbit["lock_busy"]),
+            ("ready", rabbit["ready"]),
+        ]
+        rows.append(("parking", rabbit["parking"]))
+        rows += list(rabbit["evolution_queues"].items())
+        for name, state in rows:
+            if not state.get("exists"):
+                table.add_row(name, "[yellow]not declared[/]", "-")
+            else:
+                consumers = state["consumers"]
+                messages = state["messages"]
+                table.add_row(
+                    name,
+                    f"[red]{messages}[/]" if name == "parking" and messages else str(messages),
+                    str(consumers) if consumers or name not in rabbit["evolution_queues"] else "[red]0[/]",
+                )
+        console.print(table)
+
+
+def _warn_if(value: int) -> str:
+    return f"[yellow]{value}[/]" if value else "0"
+
+
+def render_check(results: list[dict[str, str]]) -> None:
+    table = Table(box=box.SIMPLE)
+    table.add_column("check")
+    table.add_column("state")
+    table.add_column("detail")
+    for result in results:
+        table.add_row(result["check"], _STATE_MARK[result["state"]], result["detail"])
+    console.print(table)
+
+
+def render_row(row: dict[str, Any]) -> None:
+    table = Table(box=box.SIMPLE, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for name in (
+        "id", "dedup_key", "state", "event", "instance", "received_at", "processed_at", "failed_at",
+        "attempts", "last_attempt_at", "last_error", "claimed_until",
+    ):  # fmt: skip
+        table.add_row(name, "-" if row.get(name) is None else str(row[name]))
+    channels = row["channels"]
+    table.add_row(
+        "channels",
+        f"first {channels['first']}; webhook {channels['webhook_seen_at'] or 'never'}; "
+        f"rabbitmq {channels['rabbitmq_seen_at'] or 'never'}",
+    )
+    console.print(table)
+    if row.get("payload") is None:
+        console.print("payload: [yellow]purged[/] (the key is kept so late copies are still recognised)")
+    else:
+        console.print(Syntax(as_json(row["payload"]), "json", word_wrap=True))
+
+
+def render_reconcile(report: dict[str, Any]) -> None:
+    if not report["leader"]:
+        console.print("another reconciler is active; this pass did nothing")
+        return
+    console.print(
+        f"reconcile: found {report['found']} stuck event(s) in {report['seconds']:.2f}s — "
+        f"recovered {report['recovered']}, still failing {report['failing']}, "
+        f"marked failed {report['dead']}, being processed elsewhere {report['locked']}"
+    )
+
+
+def render_replay(report: dict[str, Any]) -> None:
+    verb = "would be replayed" if report["dry_run"] else "replayed"
+    console.print(
+        f"replay: {report['failed_events']} failed event(s) and {report['parked_messages']} parked message(s) {verb}"
+    )
+    outcomes = {k: v for k, v in report.items() if k == "recovered" or k.startswith("still_")}
+    if outcomes:
+        console.print(
+            "  failed events: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in outcomes.items())
+        )
+    if report["parked_messages"] and not report["dry_run"]:
+        console.print("  parked messages went to the ready queue; the worker processes them")
+    if report["parked_left"]:
+        console.print(
+            f"  {report['parked_left']} parked message(s) left in place (not Evolution events, or filtered out)"
+        )
+
+
+def render_purge(report: dict[str, Any], older_than: str) -> None:
+    count = report.get("rows_deleted", report.get("payloads_dropped", 0))
+    what = "payload(s) of processed rows" if report["payload_only"] else "processed row(s)"
+    verb = "would be" if report["dry_run"] else "were"
+    done = "dropped" if report["payload_only"] else "deleted"
+    console.print(f"purge: {count} {what} older than {older_than} {verb} {done}")
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None, *, enabled: bool = True) -> Iterator[Any]:
+    """A progress bar on a terminal (nothing when ``enabled`` is false); yields ``advance(n)``."""
+    if not enabled:
+        yield lambda n: None
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=False,
+    ) as progress:  # fmt: skip
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
