@@ -154,10 +154,11 @@ async def scenario(
 async def _delete_queues(iso: Isolation) -> None:
     connection = await aio_pika.connect(RABBITMQ_URL)
     async with connection:
-        channel = await connection.channel()
         for queue in await _queues_named(iso):
             channel = await connection.channel()
             await channel.queue_delete(queue)
+        channel = await connection.channel()
+        await channel.exchange_delete(f"bench-{iso.run_id}")
 
 
 async def _queues_named(iso: Isolation) -> list[str]:

@@ -15,36 +15,33 @@ import aiohttp
 import asyncpg
 import orjson
 import pytest
+from pydantic import SecretStr
 from redis.asyncio import Redis
 
 from evolution_ingest.config import Settings
 from evolution_ingest.topology import Topology
-from tests.conftest import DATABASE_URL, INTERNAL_SECRET, RABBITMQ_URL, REDIS_URL
+from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.support import dead_port, fixture, free_socket, wait_until
 from tests.support.evolution import EvolutionPublisher, broker, consumer_count, depth, remove
 
 
 def env_for(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a service process with exactly these settings (plus ``extra``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EVOLUTION_INGEST_")}
-    env.update(
-        {
-            "EVOLUTION_INGEST_DATABASE_URL": settings.database_url,
-            "EVOLUTION_INGEST_DATABASE_SCHEMA": settings.database_schema,
-            "EVOLUTION_INGEST_REDIS_URL": settings.redis_url,
-            "EVOLUTION_INGEST_METRICS_PREFIX": settings.metrics_prefix,
-            "EVOLUTION_INGEST_REDIS_KEY_PREFIX": settings.redis_key_prefix,
-            "EVOLUTION_INGEST_INTERNAL_SECRET": INTERNAL_SECRET,
-            "EVOLUTION_INGEST_LOG_FORMAT": "json",
-            "EVOLUTION_INGEST_RABBITMQ_URL": settings.rabbitmq_url,
-            "EVOLUTION_INGEST_RABBITMQ_EXCHANGE": settings.rabbitmq_exchange,
-            "EVOLUTION_INGEST_RABBITMQ_PREFIX": settings.rabbitmq_prefix,
-            "EVOLUTION_INGEST_RABBITMQ_SERVICE_PREFIX": settings.rabbitmq_service_prefix,
-            "EVOLUTION_INGEST_RABBITMQ_EVENTS": ",".join(settings.rabbitmq_events),
-            "EVOLUTION_INGEST_RETRY_DELAYS_SECONDS": ",".join(map(str, settings.retry_delays_seconds)),
-        }
-    )
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"EVOLUTION_INGEST_{name.upper()}"] = _env_value(value)
+    env["EVOLUTION_INGEST_LOG_FORMAT"] = "json"
     env.update({f"EVOLUTION_INGEST_{k}": v for k, v in extra.items()})
     return env
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, list):
+        return ",".join(_env_value(item) for item in value)
+    return str(value)
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -102,7 +99,7 @@ def test_the_worker_refuses_to_start_without_the_internal_secret(
     del env["EVOLUTION_INGEST_INTERNAL_SECRET"]
     result = run_cli(env, "worker")
     assert result.returncode == 1
-    assert "EVOLUTION_INGEST_INTERNAL_SECRET: required by the worker" in result.stderr
+    assert "EVOLUTION_INGEST_INTERNAL_SECRET: required to forward events" in result.stderr
     assert "Traceback" not in result.stderr
 
 
