@@ -11,6 +11,7 @@ import difflib
 import enum
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Final
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -158,8 +159,10 @@ class Settings(BaseSettings):
     purge_min_age_seconds: float = Field(default=86_400.0, ge=0)
 
     # --- business logic -------------------------------------------------------------
-    #: ``pkg.module:function,...``; empty means the built-in one-line log.
+    #: ``pkg.module:function,...``; empty means the built-in one-line log (unless routes are set).
     handlers: CsvList = Field(default_factory=list)
+    #: Built-in routing (forward, drop, alert) from a YAML or TOML file; runs before the handlers.
+    routes_file: Path | None = None
 
     # --- timings --------------------------------------------------------------------
     #: Redis lock and Postgres claim lease; renewed while a handler runs.

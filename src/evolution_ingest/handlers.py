@@ -91,8 +91,13 @@ class HandlerPipeline:
         self._handlers = tuple(handlers)
 
     @classmethod
-    def from_specs(cls, specs: Sequence[str]) -> HandlerPipeline:
-        return cls([load_handler(spec) for spec in (specs or [DEFAULT_HANDLER])])
+    def from_specs(cls, specs: Sequence[str], *, default: bool = True) -> HandlerPipeline:
+        """The handlers named; with none, the built-in log line (unless ``default`` is false)."""
+        return cls([load_handler(spec) for spec in (specs or ([DEFAULT_HANDLER] if default else []))])
+
+    def before(self, handler: Handler) -> HandlerPipeline:
+        """A pipeline running ``handler`` first, then these."""
+        return HandlerPipeline([handler, *self._handlers])
 
     def __len__(self) -> int:
         return len(self._handlers)

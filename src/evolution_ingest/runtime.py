@@ -20,6 +20,8 @@ from evolution_ingest.inbox import PostgresInbox, create_pool
 from evolution_ingest.ingestion import Ingestion
 from evolution_ingest.locks import RedisLocks
 from evolution_ingest.metrics import Counters
+from evolution_ingest.routes import load_routes
+from evolution_ingest.routing import Router
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +46,20 @@ class Runtime:
     locks: RedisLocks
     counters: Counters
     ingestion: Ingestion
+    router: Router | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
         cls, settings: Settings, *, pipeline: HandlerPipeline | None = None
     ) -> AsyncIterator[Runtime]:
-        """Open everything; on exit flush counters and close connections."""
-        pipeline = pipeline or HandlerPipeline.from_specs(settings.handlers)
+        """Open everything; on exit flush counters and close connections.
+
+        With a routes file, the built-in router runs before ``pipeline`` (default: the
+        configured handlers). A wrong routes file raises ``ConfigError`` before anything opens.
+        """
+        routes = load_routes(settings.routes_file) if settings.routes_file else None
+        pipeline = pipeline or HandlerPipeline.from_specs(settings.handlers, default=routes is None)
         pool = await create_pool(
             settings.database_url,
             schema=settings.database_schema,
@@ -70,11 +78,19 @@ class Runtime:
             seen_ttl=settings.seen_ttl_seconds,
         )
         inbox = PostgresInbox(pool, acquire_timeout=settings.database_timeout_seconds)
+        router = None
+        if routes is not None:
+            router = Router(
+                routes, inbox=inbox, redis=redis, counters=counters, key_prefix=settings.redis_key_prefix
+            )
+            pipeline = pipeline.before(router)
         ingestion = Ingestion(inbox=inbox, locks=locks, pipeline=pipeline, counters=counters)
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:
-            yield cls(settings, inbox, redis, locks, counters, ingestion)
+            yield cls(settings, inbox, redis, locks, counters, ingestion, router)
         finally:
+            if router is not None:
+                await router.close()
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
