@@ -77,12 +77,13 @@ def render_status(report: dict[str, Any]) -> None:
         extra = {
             f"{channel}:{name}": value
             for channel, values in counters.items()
-            if isinstance(values, dict)
+            if isinstance(values, dict) and channel not in {"route", "alert"}  # shown under Routes
             for name, value in values.items()
             if not (channel in {"webhook", "rabbitmq", "internal"} and name in _CHANNEL_COLUMNS)
         }
         if extra:
             console.print("Other counters: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
+    render_routes(report["routes"])
     rabbit = report["rabbitmq"]
     if not _section_error("RabbitMQ", rabbit):
         table = Table(title=f"RabbitMQ ({rabbit['mode']} mode)", box=box.SIMPLE, title_justify="left")
@@ -107,6 +108,26 @@ def render_status(report: dict[str, Any]) -> None:
                     str(consumers) if consumers or name not in rabbit["evolution_queues"] else "[red]0[/]",
                 )
         console.print(table)
+
+
+def render_routes(section: dict[str, Any]) -> None:
+    if not section.get("configured") or _section_error("Routes", section):
+        return
+    table = Table(title=f"Routes ({section['file']})", box=box.SIMPLE, title_justify="left")
+    columns = ("forwarded", "failed", "permanent", "dropped", "alerts_sent", "alerts_suppressed")
+    table.add_column("route")
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="right")
+    for name, values in section["routes"].items():
+        table.add_row(
+            name, *(_warn_if(values[c]) if c in {"failed", "permanent"} else str(values[c]) for c in columns)
+        )
+    console.print(table)
+    for problem in section["problems"]:
+        console.print(
+            f"  destination {problem['destination']}: [yellow]{problem['failing']} failing[/], "
+            f"[red]{problem['permanent']} refused for good[/] (see `inspect` of an event)"
+        )
 
 
 def _warn_if(value: int) -> str:
@@ -139,6 +160,11 @@ def render_row(row: dict[str, Any]) -> None:
         f"rabbitmq {channels['rabbitmq_seen_at'] or 'never'}",
     )
     console.print(table)
+    for delivery in row.get("deliveries", []):
+        console.print(
+            f"delivery {delivery['destination']}: {delivery['status']} after {delivery['attempts']} attempt(s)"
+            + (f" — {delivery['last_error']}" if delivery["last_error"] else "")
+        )
     if row.get("payload") is None:
         console.print("payload: [yellow]purged[/] (the key is kept so late copies are still recognised)")
     else:

@@ -18,9 +18,11 @@ import aio_pika
 from aio_pika.abc import AbstractConnection
 
 from evolution_ingest import migrations
-from evolution_ingest.config import Settings
+from evolution_ingest.config import ConfigError, Settings
+from evolution_ingest.delivery import DeliveryLog
 from evolution_ingest.inbox import TABLE, PostgresInbox
 from evolution_ingest.metrics import Counters
+from evolution_ingest.routes import load_routes
 from evolution_ingest.topology import Topology
 from evolution_ingest.worker import BROKER_ERRORS
 
@@ -125,12 +127,46 @@ async def rabbitmq_status(settings: Settings) -> dict[str, Any]:
     }
 
 
+async def routes_status(inbox: PostgresInbox, counters: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Per route: forwarded / failed / permanent / dropped, alerts; destinations failing now."""
+    if settings.routes_file is None:
+        return {"ok": True, "configured": False}
+    try:
+        routes = load_routes(settings.routes_file)
+        problems = await DeliveryLog(inbox).problems()
+    except Exception as exc:  # shown in the report
+        return _error(exc)
+    per_route = {}
+    for route in routes.routes:
+        forwards = counters.get("route", {}) if counters.get("ok") else {}
+        alerts = counters.get("alert", {}) if counters.get("ok") else {}
+        per_route[route.name] = {
+            **{
+                name: forwards.get(f"{route.name}:{name}", 0)
+                for name in ("forwarded", "failed", "permanent", "dropped")
+            },
+            **{
+                f"alerts_{name}": alerts.get(f"{route.name}:{name}", 0)
+                for name in ("sent", "suppressed", "failed")
+            },
+        }
+    return {
+        "ok": True,
+        "configured": True,
+        "file": str(settings.routes_file),
+        "routes": per_route,
+        "problems": problems,
+    }
+
+
 async def status(inbox: PostgresInbox, counters: Counters, settings: Settings) -> dict[str, Any]:
+    counted = await counter_values(counters)
     return {
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "inbox": await inbox_stats(inbox, settings),
         "rabbitmq": await rabbitmq_status(settings),
-        "counters": await counter_values(counters),
+        "counters": counted,
+        "routes": await routes_status(inbox, counted, settings),
     }
 
 
@@ -162,6 +198,7 @@ async def inspect(inbox: PostgresInbox, ref: str, *, show_apikey: bool = False) 
         "rabbitmq_seen_at": row["rabbitmq_seen_at"],
     }
     row["state"] = "processed" if row["processed_at"] else "failed" if row["failed_at"] else "pending"
+    row["deliveries"] = await DeliveryLog(inbox).of(row["id"])
     return row
 
 
@@ -198,6 +235,12 @@ async def check(inbox: PostgresInbox, counters: Counters, settings: Settings) ->
     except Exception as exc:  # reported, not raised
         add("redis", "fail", f"{type(exc).__name__}: {exc}")
     await _check_rabbitmq(settings, add)
+    if settings.routes_file is not None:
+        try:
+            routes = load_routes(settings.routes_file)
+            add("routes file", "ok", f"{settings.routes_file}: {len(routes.routes)} route(s)")
+        except ConfigError as exc:
+            add("routes file", "fail", str(exc))
     secret = settings.internal_secret
     if secret is not None and secret.get_secret_value():
         add("internal secret", "ok", "set")
