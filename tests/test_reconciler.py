@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import orjson
 
 from evolution_ingest.events import Channel
 from evolution_ingest.forward import ForwardResult, HttpForwarder
-from evolution_ingest.identity import parse_envelope
+from evolution_ingest.identity import Envelope, parse_envelope
 from evolution_ingest.inbox import TABLE
 from evolution_ingest.reconciler import Reconciler, Resender
 from evolution_ingest.runtime import Runtime
@@ -35,9 +35,9 @@ class CountingForwarder:
         self.inner = inner
         self.sent: Counter[str] = Counter()
 
-    async def forward(self, body: Mapping[str, Any], dedup_key: str) -> ForwardResult:
-        self.sent[dedup_key] += 1
-        return await self.inner.forward(body, dedup_key)
+    async def forward(self, envelope: Envelope) -> ForwardResult:
+        self.sent[envelope.dedup_key] += 1
+        return await self.inner.forward(envelope)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -14,8 +14,8 @@ import structlog
 import uvloop
 
 from evolution_ingest import logs
-from evolution_ingest.config import ConfigError, Settings, unknown_variables
-from evolution_ingest.forward import HttpForwarder
+from evolution_ingest.config import ConfigError, ForwardMode, Settings, unknown_variables
+from evolution_ingest.forward import Forwarder, HttpForwarder, InProcessForwarder
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.inbox import CONNECTION_ERRORS, StoreUnavailable
 from evolution_ingest.lifecycle import Component, run_components, webhook_component
@@ -81,7 +81,12 @@ async def declare_topology(settings: Settings) -> Topology:
 
 
 @asynccontextmanager
-async def forwarder(settings: Settings) -> AsyncIterator[HttpForwarder]:
+async def forwarder(settings: Settings, runtime: Runtime | None = None) -> AsyncIterator[Forwarder]:
+    """In-process when ``runtime`` also serves the webhook app (and the mode allows), else HTTP."""
+    if runtime is not None and settings.forward_mode is ForwardMode.AUTO:
+        log.info("forwards run in-process (the webhook app is in this process)")
+        yield InProcessForwarder(runtime.ingestion)
+        return
     forwarder = HttpForwarder(
         settings.webhook_forward_url,
         require_secret(settings),
@@ -94,7 +99,7 @@ async def forwarder(settings: Settings) -> AsyncIterator[HttpForwarder]:
         await forwarder.close()
 
 
-def build_reconciler(runtime: Runtime, sender: HttpForwarder) -> Reconciler:
+def build_reconciler(runtime: Runtime, sender: Forwarder) -> Reconciler:
     settings = runtime.settings
     resender = Resender(
         inbox=runtime.inbox,
@@ -114,7 +119,7 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
             log.info("webhook app starting", host=settings.host, port=settings.port)
         if not (worker or reconciler):
             return await run_components(components)
-        async with forwarder(settings) as sender:
+        async with forwarder(settings, runtime if webhook else None) as sender:
             if worker:
                 components["worker"] = Worker(
                     ingestion=runtime.ingestion, forwarder=sender, settings=settings

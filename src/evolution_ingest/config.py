@@ -52,6 +52,13 @@ class RabbitMode(enum.StrEnum):
     OWN = "own"
 
 
+class ForwardMode(enum.StrEnum):
+    #: In-process when the webhook app runs in the same process (``up``), HTTP otherwise.
+    AUTO = "auto"
+    #: Always over HTTP (to compare, or to keep ``up`` exactly like separate processes).
+    HTTP = "http"
+
+
 class LogFormat(enum.StrEnum):
     AUTO = "auto"
     JSON = "json"
@@ -132,10 +139,14 @@ class Settings(BaseSettings):
     retry_delays_seconds: Annotated[list[float], NoDecode] = Field(default_factory=lambda: [5.0, 30.0, 180.0])
     #: How long a message whose event is locked (being processed elsewhere) waits before it comes back.
     lock_busy_delay_seconds: float = Field(default=2.0, gt=0)
+    #: How long a copy waits for its event's business logic running in this same process
+    #: (webhook app and worker together, as in ``up``) before taking the lock-busy queue.
+    lock_busy_wait_seconds: float = Field(default=5.0, ge=0)
     #: Returns after which a locked message is acknowledged anyway (it is saved; the reconciler heals it).
     lock_busy_max_returns: int = Field(default=30, ge=0)
     #: Where the worker forwards saved events; default: this host's webhook app.
     forward_url: str | None = None
+    forward_mode: ForwardMode = ForwardMode.AUTO
     forward_timeout_seconds: float = Field(default=30.0, gt=0)
     #: How long a stopping worker waits for messages in flight before closing.
     shutdown_timeout_seconds: float = Field(default=30.0, gt=0)

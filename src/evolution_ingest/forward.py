@@ -3,13 +3,17 @@
 Used by the worker and the reconciler. The answer is classified once, here:
 ``processed`` or ``duplicate`` mean done; ``locked`` means someone else is on it;
 anything else (a non-2xx, a timeout, a refused connection) is a failure to retry.
+
+Between processes the forward is HTTP (:class:`HttpForwarder`). When the worker
+runs in the same process as the webhook app (``up``), :class:`InProcessForwarder`
+calls the same code the webhook app runs for a forward — claim, business logic,
+outcomes, ``internal:*`` counters — without the HTTP round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,6 +21,9 @@ import aiohttp
 import orjson
 
 from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
+from evolution_ingest.identity import Envelope
+from evolution_ingest.inbox import StoreUnavailable
+from evolution_ingest.ingestion import Ingestion, Outcome
 
 
 class Delivery(enum.StrEnum):
@@ -35,7 +42,7 @@ class ForwardResult:
 
 
 class Forwarder(Protocol):
-    async def forward(self, body: Mapping[str, Any], dedup_key: str) -> ForwardResult: ...
+    async def forward(self, envelope: Envelope) -> ForwardResult: ...
 
     async def close(self) -> None: ...
 
@@ -68,10 +75,10 @@ class HttpForwarder:
     def url(self) -> str:
         return self._url
 
-    async def forward(self, body: Mapping[str, Any], dedup_key: str) -> ForwardResult:
-        """Send a saved event (``body``, the inbox row's key ``dedup_key``) to the webhook app."""
-        payload = orjson.dumps({**body, "already_saved": True})
-        headers = {**self._headers, DEDUP_KEY_HEADER: dedup_key}
+    async def forward(self, envelope: Envelope) -> ForwardResult:
+        """Send a saved event (its body, and its inbox row's key) to the webhook app."""
+        payload = orjson.dumps({**envelope.body, "already_saved": True})
+        headers = {**self._headers, DEDUP_KEY_HEADER: envelope.dedup_key}
         try:
             async with self._session.post(self._url, data=payload, headers=headers) as response:
                 raw = await response.read()
@@ -90,3 +97,28 @@ class HttpForwarder:
         await self._session.close()
         # Let aiohttp's connector finish closing its transports.
         await asyncio.sleep(0)
+
+
+class InProcessForwarder:
+    """The forward of ``up``: :meth:`Ingestion.process_saved` called directly (no HTTP hop)."""
+
+    def __init__(self, ingestion: Ingestion) -> None:
+        self._ingestion = ingestion
+
+    async def forward(self, envelope: Envelope) -> ForwardResult:
+        try:
+            result = await self._ingestion.process_saved(envelope)
+        except StoreUnavailable as exc:
+            return ForwardResult(Delivery.FAILED, 503, str(exc))
+        match result.outcome:
+            case Outcome.PROCESSED | Outcome.DUPLICATE:
+                return ForwardResult(Delivery.DONE, 200)
+            case Outcome.LOCKED:
+                return ForwardResult(Delivery.LOCKED, 200)
+            case Outcome.FAILED:
+                return ForwardResult(Delivery.FAILED, 500, f"HTTP 500: {result.error}")
+            case _:
+                return ForwardResult(Delivery.FAILED, 409, "HTTP 409: no inbox row for this event")
+
+    async def close(self) -> None:
+        return None

@@ -19,6 +19,7 @@ from typing import Any, Final
 import asyncpg
 import orjson
 
+from evolution_ingest.batching import Batcher
 from evolution_ingest.events import Channel
 from evolution_ingest.identity import Envelope
 
@@ -82,15 +83,20 @@ def serialize_payload(body: dict[str, Any]) -> str:
 
 _CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_until < now()))"
 
+# Every batch locks its rows in dedup_key order, whatever the statement: two batches
+# touching the same rows then always queue up behind each other instead of deadlocking.
+
 _SAVE = f"""
 INSERT INTO {TABLE} AS e
     (dedup_key, event, instance, channel, payload,
      webhook_seen_at, rabbitmq_seen_at, claim_token, claimed_until)
-VALUES ($1, $2, $3, $4, $5::jsonb,
-        CASE WHEN $4 = 'WEBHOOK' THEN now() END,
-        CASE WHEN $4 = 'RABBITMQ' THEN now() END,
-        $6::uuid,
-        CASE WHEN $6::uuid IS NOT NULL THEN now() + make_interval(secs => $7) END)
+SELECT u.key, u.event, u.instance, u.channel, u.payload::jsonb,
+       CASE WHEN u.channel = 'WEBHOOK' THEN now() END,
+       CASE WHEN u.channel = 'RABBITMQ' THEN now() END,
+       u.token,
+       CASE WHEN u.token IS NOT NULL THEN now() + make_interval(secs => u.lease) END
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::uuid[], $7::float8[])
+     AS u(key, event, instance, channel, payload, token, lease)
 ON CONFLICT (dedup_key) DO UPDATE SET
     webhook_seen_at  = COALESCE(e.webhook_seen_at, EXCLUDED.webhook_seen_at),
     rabbitmq_seen_at = COALESCE(e.rabbitmq_seen_at, EXCLUDED.rabbitmq_seen_at),
@@ -98,30 +104,49 @@ ON CONFLICT (dedup_key) DO UPDATE SET
                          THEN EXCLUDED.claim_token ELSE e.claim_token END,
     claimed_until = CASE WHEN EXCLUDED.claim_token IS NOT NULL AND {_CLAIMABLE}
                          THEN EXCLUDED.claimed_until ELSE e.claimed_until END
-RETURNING id, channel, received_at, attempts, processed_at IS NOT NULL AS processed,
-          $6::uuid IS NOT NULL AND claim_token IS NOT DISTINCT FROM $6::uuid AS claimed,
-          xmax = 0 AS inserted
+RETURNING dedup_key, id, channel, received_at, attempts, processed_at IS NOT NULL AS processed,
+          claim_token, xmax = 0 AS inserted
 """
 
 _CLAIM_SAVED = f"""
+WITH wanted AS (
+    SELECT * FROM unnest($1::text[], $2::uuid[], $3::float8[]) AS u(key, token, lease)
+), locked AS MATERIALIZED (
+    SELECT e.id FROM {TABLE} AS e JOIN wanted ON e.dedup_key = wanted.key
+    ORDER BY e.dedup_key FOR UPDATE OF e
+)
 UPDATE {TABLE} AS e SET
-    claim_token   = CASE WHEN {_CLAIMABLE} THEN $2::uuid ELSE e.claim_token END,
-    claimed_until = CASE WHEN {_CLAIMABLE} THEN now() + make_interval(secs => $3)
+    claim_token   = CASE WHEN {_CLAIMABLE} THEN wanted.token ELSE e.claim_token END,
+    claimed_until = CASE WHEN {_CLAIMABLE} THEN now() + make_interval(secs => wanted.lease)
                          ELSE e.claimed_until END
-WHERE e.dedup_key = $1
-RETURNING id, channel, received_at, attempts, processed_at IS NOT NULL AS processed,
-          claim_token IS NOT DISTINCT FROM $2::uuid AS claimed
+FROM locked, wanted
+WHERE e.id = locked.id AND e.dedup_key = wanted.key
+RETURNING e.dedup_key, e.id, e.channel, e.received_at, e.attempts,
+          e.processed_at IS NOT NULL AS processed, e.claim_token
 """
+
+_MARK_PROCESSED = f"""
+UPDATE {TABLE} AS e SET processed_at = now(), attempts = e.attempts + 1, last_attempt_at = now(),
+                        claim_token = NULL, claimed_until = NULL
+FROM (SELECT id FROM {TABLE} WHERE id = ANY($1::bigint[]) AND processed_at IS NULL
+      ORDER BY dedup_key FOR UPDATE) AS locked
+WHERE e.id = locked.id
+RETURNING e.id
+"""
+
+_SEEN = {
+    channel: f"""
+UPDATE {TABLE} AS e SET {column} = COALESCE(e.{column}, now())
+FROM (SELECT id FROM {TABLE} WHERE dedup_key = ANY($1::text[]) AND {column} IS NULL
+      ORDER BY dedup_key FOR UPDATE) AS locked
+WHERE e.id = locked.id
+"""
+    for channel, column in ((Channel.WEBHOOK, "webhook_seen_at"), (Channel.RABBITMQ, "rabbitmq_seen_at"))
+}
 
 _RENEW = f"""
 UPDATE {TABLE} SET claimed_until = now() + make_interval(secs => $3)
 WHERE id = $1 AND claim_token = $2 AND processed_at IS NULL
-"""
-
-_MARK_PROCESSED = f"""
-UPDATE {TABLE} SET processed_at = now(), attempts = attempts + 1, last_attempt_at = now(),
-                   claim_token = NULL, claimed_until = NULL
-WHERE id = $1 AND processed_at IS NULL
 """
 
 _RECORD_FAILURE = f"""
@@ -132,24 +157,56 @@ WHERE id = $1 AND processed_at IS NULL
 """
 
 
-def _row(record: asyncpg.Record, *, inserted: bool = False) -> SavedRow:
+@dataclass(frozen=True, slots=True)
+class _Save:
+    envelope: Envelope
+    channel: Channel
+    claim: Claim | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    dedup_key: str
+    channel: Channel
+
+
+def _row(record: asyncpg.Record, token: uuid.UUID | None) -> SavedRow:
     return SavedRow(
         id=record["id"],
         channel=Channel(record["channel"]),
         received_at=record["received_at"],
         attempts=record["attempts"],
         processed=record["processed"],
-        claimed=record["claimed"],
-        inserted=inserted,
+        claimed=token is not None and record["claim_token"] == token,
+        inserted=record.get("inserted", False),
     )
 
 
 class PostgresInbox:
-    """Reads and writes ``evolution_ingestion_events`` through an asyncpg pool."""
+    """Reads and writes ``evolution_ingestion_events`` through an asyncpg pool.
 
-    def __init__(self, pool: asyncpg.Pool, *, acquire_timeout: float = 5.0) -> None:
+    Saves, claims and "processed" marks of concurrent events are grouped into one
+    statement each (:class:`~evolution_ingest.batching.Batcher`): one commit serves
+    many events, which is what lets the service outrun one statement per event.
+    """
+
+    def __init__(
+        self, pool: asyncpg.Pool, *, acquire_timeout: float = 5.0, batch_concurrency: int = 4
+    ) -> None:
         self._pool = pool
         self._acquire_timeout = acquire_timeout
+        self._saves: Batcher[_Save, SavedRow] = Batcher(
+            self._save_batch, key=lambda s: s.envelope.dedup_key, max_concurrency=batch_concurrency
+        )
+        self._claims: Batcher[tuple[str, Claim], SavedRow | None] = Batcher(
+            self._claim_batch, key=lambda c: c[0], max_concurrency=batch_concurrency
+        )
+        self._marks: Batcher[int, bool] = Batcher(
+            self._mark_batch, key=lambda i: i, max_concurrency=batch_concurrency
+        )
+        self._seen: Batcher[_Seen, None] = Batcher(
+            self._seen_batch, key=lambda s: (s.dedup_key, s.channel), max_size=1000, max_concurrency=1
+        )
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -164,38 +221,76 @@ class PostgresInbox:
         except CONNECTION_ERRORS as exc:
             raise StoreUnavailable(f"Postgres unreachable: {exc!r}") from exc
 
+    async def _batch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        """Run a batch statement, retrying once if Postgres picked it as a deadlock victim."""
+        for attempt in (1, 2):
+            try:
+                async with self.connection() as conn:
+                    return list(await conn.fetch(query, *args))
+            except asyncpg.exceptions.DeadlockDetectedError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    # --- saving (INSERT ... ON CONFLICT), maybe claiming ------------------------------------
     async def save(self, envelope: Envelope, channel: Channel, claim: Claim | None) -> SavedRow:
         """Save the raw event (or record that ``channel`` saw it too); maybe claim it."""
-        async with self.connection() as conn:
-            record = await conn.fetchrow(
-                _SAVE,
-                envelope.dedup_key,
-                envelope.event,
-                envelope.instance,
-                channel.value,
-                serialize_payload(envelope.body),
-                claim.token if claim else None,
-                claim.lease_seconds if claim else 0.0,
-            )
-        assert record is not None  # INSERT ... ON CONFLICT DO UPDATE always returns the row
-        return _row(record, inserted=record["inserted"])
+        return await self._saves(_Save(envelope, channel, claim))
 
+    async def _save_batch(self, saves: list[_Save]) -> list[SavedRow]:
+        ordered = sorted(saves, key=lambda s: s.envelope.dedup_key)
+        records = await self._batch(
+            _SAVE,
+            [s.envelope.dedup_key for s in ordered],
+            [s.envelope.event for s in ordered],
+            [s.envelope.instance for s in ordered],
+            [s.channel.value for s in ordered],
+            [serialize_payload(s.envelope.body) for s in ordered],
+            [s.claim.token if s.claim else None for s in ordered],
+            [s.claim.lease_seconds if s.claim else 0.0 for s in ordered],
+        )
+        by_key = {record["dedup_key"]: record for record in records}
+        return [_row(by_key[s.envelope.dedup_key], s.claim.token if s.claim else None) for s in saves]
+
+    # --- claiming a saved row (forwards) -----------------------------------------------------
     async def claim_saved(self, dedup_key: str, claim: Claim) -> SavedRow | None:
         """Claim an already saved row; ``None`` when there is no row for the key."""
-        async with self.connection() as conn:
-            record = await conn.fetchrow(_CLAIM_SAVED, dedup_key, claim.token, claim.lease_seconds)
-        return None if record is None else _row(record)
+        return await self._claims((dedup_key, claim))
+
+    async def _claim_batch(self, claims: list[tuple[str, Claim]]) -> list[SavedRow | None]:
+        records = await self._batch(
+            _CLAIM_SAVED,
+            [key for key, _ in claims],
+            [claim.token for _, claim in claims],
+            [claim.lease_seconds for _, claim in claims],
+        )
+        by_key = {record["dedup_key"]: record for record in records}
+        return [_row(by_key[key], claim.token) if key in by_key else None for key, claim in claims]
+
+    # --- finishing -----------------------------------------------------------------------------
+    async def mark_processed(self, row_id: int) -> bool:
+        """Record that business logic completed; False when it already was."""
+        return await self._marks(row_id)
+
+    async def _mark_batch(self, ids: list[int]) -> list[bool]:
+        done = {record["id"] for record in await self._batch(_MARK_PROCESSED, ids)}
+        return [row_id in done for row_id in ids]
+
+    async def record_seen(self, dedup_key: str, channel: Channel) -> None:
+        """Note that ``channel`` delivered a copy of an event already processed (bookkeeping only)."""
+        await self._seen(_Seen(dedup_key, channel))
+
+    async def _seen_batch(self, seen: list[_Seen]) -> list[None]:
+        for channel in Channel:
+            keys = sorted(s.dedup_key for s in seen if s.channel is channel)
+            if keys:
+                await self._batch(_SEEN[channel], keys)
+        return [None] * len(seen)
 
     async def renew(self, row_id: int, claim: Claim) -> bool:
         """Extend a claim still held; False when it was lost or the row is done."""
         async with self.connection() as conn:
             status = await conn.execute(_RENEW, row_id, claim.token, claim.lease_seconds)
-        return bool(status == "UPDATE 1")
-
-    async def mark_processed(self, row_id: int) -> bool:
-        """Record that business logic completed; False when it already was."""
-        async with self.connection() as conn:
-            status = await conn.execute(_MARK_PROCESSED, row_id)
         return bool(status == "UPDATE 1")
 
     async def record_failure(self, row_id: int, claim: Claim, error: str) -> None:
@@ -208,6 +303,11 @@ class PostgresInbox:
         async with self.connection() as conn:
             record = await conn.fetchrow(f"SELECT * FROM {TABLE} WHERE dedup_key = $1", dedup_key)
         return None if record is None else dict(record)
+
+    async def drain(self) -> None:
+        """Wait for batched writes in flight (at shutdown)."""
+        for batcher in (self._saves, self._claims, self._marks, self._seen):
+            await batcher.drain()
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

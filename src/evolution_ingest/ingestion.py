@@ -12,11 +12,14 @@ Three entry points, one per kind of caller:
 Rules kept here and nowhere else:
 
 * a copy is answered only after its raw payload is committed in Postgres, or
-  after Redis says a copy from the same channel was (Redis only records that
-  after the commit);
+  after Redis says the event is processed (Redis only says so after the commit);
+  that a copy of an already processed event came by this channel is then noted in
+  the inbox in the background (bookkeeping, not safety);
 * business logic runs only under a granted Postgres claim, so it runs once even
   when Redis is down or split; the Redis lock keeps concurrent copies from even
   trying, and both are renewed while a slow handler runs;
+* a RabbitMQ copy that finds its event being processed in this same process waits
+  for that to finish rather than coming back later through the lock-busy queue;
 * expected outcomes are return values; Postgres being unreachable is the
   exception :class:`~evolution_ingest.inbox.StoreUnavailable`.
 """
@@ -27,7 +30,7 @@ import asyncio
 import enum
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -37,8 +40,9 @@ from evolution_ingest.events import Channel, Event
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.identity import Envelope
 from evolution_ingest.inbox import Claim, PostgresInbox, SavedRow, StoreUnavailable
-from evolution_ingest.locks import PROCESSED, RedisLocks
-from evolution_ingest.metrics import Counters, reraise_cancellation
+from evolution_ingest.lease import Lease
+from evolution_ingest.locks import PROCESSED, Probe, RedisLocks
+from evolution_ingest.metrics import Counters
 
 log = structlog.get_logger(__name__)
 
@@ -84,57 +88,8 @@ def _prefix(channel: Channel) -> str:
     return channel.value.lower()
 
 
-class _Lease:
-    """Renews the Postgres claim (and the Redis lock) while business logic runs.
-
-    Nothing is scheduled but a timer until a third of the lease has passed, so
-    the common fast handler costs no extra round trip.
-    """
-
-    def __init__(
-        self,
-        ingestion: Ingestion,
-        dedup_key: str,
-        row_id: int | None,
-        claim: Claim,
-        lock_token: str | None,
-    ) -> None:
-        self._ingestion = ingestion
-        self._key = dedup_key
-        self._row_id = row_id
-        self._claim = claim
-        self._lock_token = lock_token
-        self._interval = claim.lease_seconds / 3
-        self._task: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(self._interval, self._start)
-
-    def _start(self) -> None:
-        self._task = asyncio.create_task(self._renew_forever())
-
-    async def _renew_forever(self) -> None:
-        while True:
-            if self._row_id is not None:
-                try:
-                    kept = await self._ingestion.inbox.renew(self._row_id, self._claim)
-                except StoreUnavailable as exc:
-                    log.warning(
-                        "claim not renewed, Postgres unavailable", dedup_key=self._key, error=str(exc)
-                    )
-                else:
-                    if not kept:
-                        self._ingestion.counters.incr("claim:lost")
-                        log.error("claim lost while business logic runs", dedup_key=self._key)
-            if self._lock_token is not None:
-                await self._ingestion.locks.renew(self._key, self._lock_token)
-            reraise_cancellation()
-            await asyncio.sleep(self._interval)
-
-    async def stop(self) -> None:
-        self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
+def _marks(channel: Channel, processed: bool) -> list[str]:
+    return [channel.value, PROCESSED] if processed else [channel.value]
 
 
 class Ingestion:
@@ -147,11 +102,16 @@ class Ingestion:
         locks: RedisLocks,
         pipeline: HandlerPipeline,
         counters: Counters,
+        busy_wait_seconds: float = 5.0,
     ) -> None:
         self.inbox = inbox
         self.locks = locks
         self.pipeline = pipeline
         self.counters = counters
+        self._busy_wait = busy_wait_seconds
+        #: Events whose business logic runs in this process: True once processed.
+        self._running: dict[str, asyncio.Future[bool]] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- external webhook -------------------------------------------------------------
     async def receive(self, envelope: Envelope, channel: Channel = Channel.WEBHOOK) -> Result:
@@ -159,17 +119,12 @@ class Ingestion:
         name, key = _prefix(channel), envelope.dedup_key
         self.counters.incr(f"{name}:received")
         token = uuid.uuid4()
-        probe = await self.locks.acquire(key, str(token), channel)
-        if not probe.available:
-            self.counters.incr(f"{name}:redis_fallback")
-        if probe.processed and probe.recorded:
+        probe = await self._probe(name, key, str(token), channel)
+        if probe.processed:
+            self._note_seen(key, channel, probe)
             return self._skip(name, Outcome.DUPLICATE, key)
-        if probe.busy and probe.recorded:
-            return self._skip(name, Outcome.LOCKED, key)
-        if probe.processed or probe.busy:
-            row = await self.inbox.save(envelope, channel, None)
-            await self.locks.release(key, None, _marks(channel, row.processed))
-            return self._skip(name, Outcome.DUPLICATE if row.processed else Outcome.LOCKED, key, row)
+        if probe.busy:
+            return await self._save_busy_copy(envelope, channel, probe)
 
         # The lock is ours, or Redis is unavailable: the Postgres claim decides.
         lock_token = str(token) if probe.acquired else None
@@ -196,28 +151,30 @@ class Ingestion:
         name, key = _prefix(channel), envelope.dedup_key
         self.counters.incr(f"{name}:received")
         token = str(uuid.uuid4())
-        probe = await self.locks.acquire(key, token, channel)
-        if not probe.available:
-            self.counters.incr(f"{name}:redis_fallback")
-        if probe.recorded and (probe.processed or probe.busy):
-            outcome = Outcome.DUPLICATE if probe.processed else Outcome.LOCKED
-            self._skip(name, outcome, key)
-            yield Hold(outcome, key)
+        probe = await self._probe(name, key, token, channel)
+        if probe.busy and await self._finished_here(key):
+            probe = Probe(True, processed=True, recorded=probe.recorded)
+        if probe.processed:
+            self._note_seen(key, channel, probe)
+            yield Hold(self._skip(name, Outcome.DUPLICATE, key).outcome, key)
+            return
+        if probe.busy:
+            result = await self._save_busy_copy(envelope, channel, probe)
+            yield Hold(result.outcome, key)
             return
 
         lock_token = token if probe.acquired else None
         marks: list[str] = []
-        lease: _Lease | None = None
+        lease: Lease | None = None
         try:
             row = await self.inbox.save(envelope, channel, None)
             marks = _marks(channel, row.processed)
-            if row.processed or probe.busy:
-                outcome = Outcome.DUPLICATE if row.processed else Outcome.LOCKED
-                self._skip(name, outcome, key, row)
-                yield Hold(outcome, key, row)
+            if row.processed:
+                self._skip(name, Outcome.DUPLICATE, key, row)
+                yield Hold(Outcome.DUPLICATE, key, row)
                 return
             if lock_token is not None:
-                lease = _Lease(self, key, None, Claim(uuid.UUID(token), self.locks.lock_ttl), lock_token)
+                lease = self._lease(key, None, Claim(uuid.UUID(token), self.locks.lock_ttl), lock_token)
             hold = Hold(Outcome.SAVED, key, row)
             yield hold
             if hold.processed:
@@ -247,6 +204,47 @@ class Ingestion:
         return result
 
     # --- shared steps ------------------------------------------------------------------
+    async def _probe(self, name: str, key: str, token: str, channel: Channel) -> Probe:
+        probe = await self.locks.acquire(key, token, channel)
+        if not probe.available:
+            self.counters.incr(f"{name}:redis_fallback")
+        return probe
+
+    async def _save_busy_copy(self, envelope: Envelope, channel: Channel, probe: Probe) -> Result:
+        """Another copy holds the lock: make sure this one is saved, then say so."""
+        name, key = _prefix(channel), envelope.dedup_key
+        if probe.recorded:  # a copy from this channel is already committed
+            return self._skip(name, Outcome.LOCKED, key)
+        row = await self.inbox.save(envelope, channel, None)
+        await self.locks.release(key, None, _marks(channel, row.processed))
+        return self._skip(name, Outcome.DUPLICATE if row.processed else Outcome.LOCKED, key, row)
+
+    async def _finished_here(self, key: str) -> bool:
+        """If this process is running the event's business logic, wait for it: True once processed."""
+        running = self._running.get(key)
+        if running is None:
+            return False
+        try:
+            return await asyncio.wait_for(asyncio.shield(running), self._busy_wait)
+        except TimeoutError:
+            return False
+
+    def _note_seen(self, key: str, channel: Channel, probe: Probe) -> None:
+        """A copy of a processed event came by ``channel``: note it in the inbox, in the background."""
+        if probe.recorded:
+            return
+
+        async def note() -> None:
+            try:
+                await self.inbox.record_seen(key, channel)
+                await self.locks.release(key, None, [channel.value])
+            except StoreUnavailable as exc:
+                log.info("channel not recorded for a processed event", dedup_key=key, error=str(exc))
+
+        task = asyncio.create_task(note())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _skip(self, name: str, outcome: Outcome, key: str, row: SavedRow | None = None) -> Result:
         counter = {
             Outcome.DUPLICATE: "skipped_duplicate",
@@ -256,13 +254,30 @@ class Ingestion:
         self.counters.incr(f"{name}:{counter}")
         return Result(outcome, key, row.id if row else None)
 
+    def _lease(self, key: str, row_id: int | None, claim: Claim, lock_token: str | None) -> Lease:
+        return Lease(
+            inbox=self.inbox, locks=self.locks, counters=self.counters,
+            dedup_key=key, row_id=row_id, claim=claim, lock_token=lock_token,
+        )  # fmt: skip
+
     async def _run(
-        self,
-        envelope: Envelope,
-        row: SavedRow,
-        claim: Claim,
-        name: str,
-        lock_token: str | None,
+        self, envelope: Envelope, row: SavedRow, claim: Claim, name: str, lock_token: str | None
+    ) -> Result:
+        key = envelope.dedup_key
+        finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._running.setdefault(key, finished)
+        processed = False
+        try:
+            result = await self._run_handlers(envelope, row, claim, name, lock_token)
+            processed = result.outcome is Outcome.PROCESSED
+            return result
+        finally:
+            if self._running.get(key) is finished:
+                del self._running[key]
+            finished.set_result(processed)
+
+    async def _run_handlers(
+        self, envelope: Envelope, row: SavedRow, claim: Claim, name: str, lock_token: str | None
     ) -> Result:
         event = Event(
             dedup_key=envelope.dedup_key,
@@ -276,18 +291,15 @@ class Ingestion:
             attempts=row.attempts,
             id=row.id,
         )
-        lease = _Lease(self, envelope.dedup_key, row.id, claim, lock_token)
+        lease = self._lease(envelope.dedup_key, row.id, claim, lock_token)
         try:
             await self.pipeline.run(event)
         except Exception as exc:  # handlers are user code: record, count, answer 5xx
             error = f"{type(exc).__name__}: {exc}"
             log.exception(
-                "handler failed",
-                dedup_key=envelope.dedup_key,
-                event_name=envelope.event,
-                instance=envelope.instance,
-                attempt=row.attempts + 1,
-            )
+                "handler failed", dedup_key=envelope.dedup_key, event_name=envelope.event,
+                instance=envelope.instance, attempt=row.attempts + 1,
+            )  # fmt: skip
             try:
                 await self.inbox.record_failure(row.id, claim, error)
             except StoreUnavailable as store_exc:
@@ -314,6 +326,8 @@ class Ingestion:
                 await asyncio.sleep(delay)
         await self.inbox.mark_processed(row_id)
 
-
-def _marks(channel: Channel, processed: bool) -> list[str]:
-    return [channel.value, PROCESSED] if processed else [channel.value]
+    async def drain(self) -> None:
+        """Wait for background bookkeeping (at shutdown)."""
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.inbox.drain()

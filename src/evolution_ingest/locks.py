@@ -11,20 +11,22 @@ never raises for that, and never claims a duplicate that Postgres has not seen:
   is saved and whether business logic completed, so that a later copy can be
   answered without a round trip to Postgres.
 
-Keys share a hash tag, so the scripts also work on Redis Cluster.
+Calls from concurrent requests are sent together in one pipeline (one round trip
+for many events). Keys share a hash tag, so the scripts also work on Redis Cluster.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
+from evolution_ingest.batching import Batcher
 from evolution_ingest.events import Channel
 
 log = structlog.get_logger(__name__)
@@ -82,6 +84,33 @@ class Probe:
 UNAVAILABLE: Final = Probe(available=False)
 
 
+class _Scripts:
+    """Lua scripts run by SHA in pipelines, loaded again if Redis forgot them (a restart)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._sources = {"acquire": _ACQUIRE, "release": _RELEASE, "renew": _RENEW}
+        self._sha: dict[str, str] = {}
+
+    async def run(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        for attempt in (1, 2):
+            if len(self._sha) < len(self._sources):
+                for script, source in self._sources.items():
+                    self._sha[script] = await self._redis.script_load(source)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    pipe.evalsha(self._sha[name], len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+                self._sha.clear()
+                continue
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+            return list(results)
+        raise AssertionError("unreachable")
+
+
 class RedisLocks:
     """Event locks and seen markers. A short circuit breaker avoids waiting on a dead Redis."""
 
@@ -94,15 +123,18 @@ class RedisLocks:
         seen_ttl: float,
         retry_after: float = 1.0,
     ) -> None:
-        self._redis = redis
         self._prefix = prefix
         self._lock_ttl_ms = max(1, int(lock_ttl * 1000))
         self._seen_ttl_ms = max(1, int(seen_ttl * 1000))
         self._retry_after = retry_after
         self._down_until = 0.0
-        self._acquire = redis.register_script(_ACQUIRE)
-        self._release = redis.register_script(_RELEASE)
-        self._renew = redis.register_script(_RENEW)
+        self._scripts = _Scripts(redis)
+        self._acquires: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
+            lambda calls: self._scripts.run("acquire", calls), max_concurrency=2
+        )
+        self._releases: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
+            lambda calls: self._scripts.run("release", calls), max_concurrency=2
+        )
 
     @property
     def lock_ttl(self) -> float:
@@ -121,15 +153,15 @@ class RedisLocks:
         self._down_until = time.monotonic() + self._retry_after
 
     async def acquire(self, dedup_key: str, token: str, channel: Channel | None) -> Probe:
-        """Try to take the lock; also read the seen marker. One round trip.
+        """Try to take the lock; also read the seen marker.
 
         ``channel`` is the channel of the copy (None for the reconciler and replays).
         """
         if self._skip():
             return UNAVAILABLE
         try:
-            acquired, processed, recorded = await self._acquire(
-                keys=self._keys(dedup_key), args=[token, self._lock_ttl_ms, channel.value if channel else "-"]
+            acquired, processed, recorded = await self._acquires(
+                (self._keys(dedup_key), [token, self._lock_ttl_ms, channel.value if channel else "-"])
             )
         except (RedisError, OSError) as exc:
             self._failed("acquire", exc)
@@ -142,7 +174,7 @@ class RedisLocks:
         if (token is None and not fields) or self._skip():
             return
         try:
-            await self._release(keys=self._keys(dedup_key), args=[token or "", self._seen_ttl_ms, *fields])
+            await self._releases((self._keys(dedup_key), [token or "", self._seen_ttl_ms, *fields]))
         except (RedisError, OSError) as exc:
             self._failed("release", exc)
 
@@ -151,7 +183,9 @@ class RedisLocks:
         if self._skip():
             return False
         try:
-            renewed = await self._renew(keys=self._keys(dedup_key)[:1], args=[token, self._lock_ttl_ms])
+            (renewed,) = await self._scripts.run(
+                "renew", [(self._keys(dedup_key)[:1], [token, self._lock_ttl_ms])]
+            )
         except (RedisError, OSError) as exc:
             self._failed("renew", exc)
             return False

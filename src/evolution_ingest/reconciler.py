@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import time
 import uuid
@@ -32,6 +33,7 @@ import structlog
 
 from evolution_ingest.config import Settings
 from evolution_ingest.forward import Delivery, Forwarder
+from evolution_ingest.identity import InvalidEvent, parse_envelope
 from evolution_ingest.inbox import CONNECTION_ERRORS, TABLE, PostgresInbox, StoreUnavailable
 from evolution_ingest.locks import PROCESSED, RedisLocks
 from evolution_ingest.metrics import Counters
@@ -109,8 +111,10 @@ class Resender:
     async def resend(self, row: InboxRow, *, mark_dead: bool = True) -> Resent:
         if mark_dead and row.attempts >= self._max_attempts:
             return await self._give_up(row)
-        if row.payload is None:
-            await self._note(row, "no stored payload to forward")
+        try:
+            envelope = dataclasses.replace(parse_envelope(row.payload), dedup_key=row.dedup_key)
+        except InvalidEvent as exc:  # a purged payload, or a row written by hand
+            await self._note(row, f"stored payload cannot be forwarded: {exc.reason}")
             return Resent.FAILING
         token = uuid.uuid4().hex
         probe = await self._locks.acquire(row.dedup_key, token, None)
@@ -122,7 +126,7 @@ class Resender:
         done = False
         try:
             self._counters.incr(f"{_NAME}:resent")
-            result = await self._forwarder.forward(row.payload, row.dedup_key)
+            result = await self._forwarder.forward(envelope)
             done = result.delivery is Delivery.DONE
         finally:
             await self._locks.release(

@@ -84,11 +84,18 @@ class Runtime:
                 routes, inbox=inbox, redis=redis, counters=counters, key_prefix=settings.redis_key_prefix
             )
             pipeline = pipeline.before(router)
-        ingestion = Ingestion(inbox=inbox, locks=locks, pipeline=pipeline, counters=counters)
+        ingestion = Ingestion(
+            inbox=inbox,
+            locks=locks,
+            pipeline=pipeline,
+            counters=counters,
+            busy_wait_seconds=settings.lock_busy_wait_seconds,
+        )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:
             yield cls(settings, inbox, redis, locks, counters, ingestion, router)
         finally:
+            await ingestion.drain()
             if router is not None:
                 await router.close()
             flusher.cancel()

@@ -249,7 +249,7 @@ class Worker:
                     return Decision(Action.ACK)
                 if held.outcome is Outcome.LOCKED:
                     return Decision(Action.BUSY)
-                result = await self._forwarder.forward(envelope.body, envelope.dedup_key)
+                result = await self._forwarder.forward(envelope)
                 if result.delivery is Delivery.DONE:
                     held.processed = True
                     self._counters.incr(f"{_NAME}:forward_ok")

@@ -1,0 +1,105 @@
+"""Group commit: many concurrent requests carried out as one statement, each caller awaiting its own answer.
+
+There is no timer. A request starts a batch at once when fewer than
+``max_concurrency`` batches are running; otherwise it waits and joins the next
+batch, which takes everything waiting when a running one finishes. Under light
+load each request is its own batch (no added latency); under heavy load batches
+grow by themselves and one commit serves many events.
+
+With a ``key``, a batch never holds two requests with the same key (a statement
+cannot update one row twice); a request whose key is already in the batch waits
+for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Batcher(Generic[T, R]):
+    def __init__(
+        self,
+        execute: Callable[[list[T]], Awaitable[Sequence[R]]],
+        *,
+        key: Callable[[T], Hashable] | None = None,
+        max_size: int = 256,
+        max_concurrency: int = 4,
+    ) -> None:
+        self._execute = execute
+        self._key = key
+        self._max_size = max_size
+        self._max_concurrency = max_concurrency
+        self._waiting: deque[tuple[T, asyncio.Future[R]]] = deque()
+        self._running = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Sizes of the batches run so far (for tests and benchmarks).
+        self.batches = 0
+        self.items = 0
+
+    async def __call__(self, item: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        self._start()
+        return await future
+
+    def _start(self) -> None:
+        while self._waiting and self._running < self._max_concurrency:
+            batch = self._take()
+            self._running += 1
+            task = asyncio.create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _take(self) -> list[tuple[T, asyncio.Future[R]]]:
+        batch: list[tuple[T, asyncio.Future[R]]] = []
+        keys: set[Hashable] = set()
+        later: deque[tuple[T, asyncio.Future[R]]] = deque()
+        while self._waiting and len(batch) < self._max_size:
+            item, future = self._waiting.popleft()
+            if future.done():  # the caller gave up (cancelled)
+                continue
+            key = self._key(item) if self._key is not None else None
+            if key is not None and key in keys:
+                later.append((item, future))
+            else:
+                keys.add(key)
+                batch.append((item, future))
+        self._waiting.extendleft(reversed(later))
+        return batch
+
+    async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        try:
+            if batch:
+                self.batches += 1
+                self.items += len(batch)
+                try:
+                    results = await self._execute([item for item, _ in batch])
+                except Exception as exc:  # every caller of this batch gets the failure
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                else:
+                    for (_, future), result in zip(batch, results, strict=True):
+                        if not future.done():
+                            future.set_result(result)
+        except BaseException as exc:  # cancelled while running: nobody may wait forever
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(
+                        asyncio.CancelledError() if isinstance(exc, asyncio.CancelledError) else exc
+                    )
+            raise
+        finally:
+            self._running -= 1
+            self._start()
+
+    async def drain(self) -> None:
+        """Wait until everything submitted so far has run."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
