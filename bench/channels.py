@@ -19,12 +19,10 @@ from typing import Any
 
 import aio_pika
 import orjson
-from redis.asyncio import Redis
 
 from bench.events import unique_event
 from bench.harness import (
     RABBITMQ_URL,
-    REDIS_URL,
     Isolation,
     cli,
     free_port,
@@ -71,12 +69,12 @@ async def publish(url: str, exchange_name: str, prefix: str, messages: Sequence[
 async def service(iso: Isolation, layout: str, port: int) -> AsyncIterator[list[int]]:
     env = iso.env(
         PORT=str(port),
-        HANDLERS="bench.handlers:count",
+        HANDLERS="bench.handlers:trace",
         RABBITMQ_EXCHANGE=f"bench-{iso.run_id}",
         RABBITMQ_PREFIX=f"bench{iso.run_id}",
         RABBITMQ_SERVICE_PREFIX=f"bench-{iso.run_id}",
     )
-    env["BENCH_CALLS_KEY"] = iso.prefix + "calls"
+    env["BENCH_TRACE_DIR"] = str(iso.trace_dir)
     env["PYTHONPATH"] = "."
     async with AsyncExitStack() as stack:
         if layout == "up":
@@ -93,15 +91,19 @@ async def service(iso: Isolation, layout: str, port: int) -> AsyncIterator[list[
         yield [p.pid for p in procs]
 
 
-async def calls(redis: Redis, key: str) -> dict[bytes, int]:
-    raw = await redis.hgetall(key)
-    return {k: int(v) for k, v in raw.items()}
+def calls(iso: Isolation) -> dict[str, int]:
+    counted: dict[str, int] = {}
+    for path in iso.trace_dir.glob("trace-*.txt"):
+        for line in path.read_text(encoding="ascii").splitlines():
+            key = line.split(" ", 1)[0]
+            counted[key] = counted.get(key, 0) + 1
+    return counted
 
 
-async def wait_processed(redis: Redis, key: str, expected: int, max_seconds: float) -> float:
+async def wait_processed(iso: Isolation, expected: int, max_seconds: float) -> float:
     started = time.perf_counter()
     deadline = time.monotonic() + max_seconds
-    while await redis.hlen(key) < expected and time.monotonic() < deadline:  # noqa: ASYNC110 - polling another process
+    while iso.traced() < expected and time.monotonic() < deadline:  # noqa: ASYNC110 - polling another process
         await asyncio.sleep(0.05)
     return time.perf_counter() - started
 
@@ -114,8 +116,6 @@ async def scenario(
     items = [unique_event(offset + n) for n in range(events)]
     messages = [(orjson.dumps(rabbit), key) for _, rabbit, key in items]
     bodies = [orjson.dumps(webhook) for webhook, _, _ in items]
-    redis = Redis.from_url(REDIS_URL)
-    calls_key = iso.prefix + "calls"
     try:
         if not dual:  # a backlog waiting when the worker starts
             await publish(RABBITMQ_URL, f"bench-{iso.run_id}", f"bench{iso.run_id}", messages)
@@ -128,10 +128,10 @@ async def scenario(
                     post_all(url, bodies, 64, max_seconds),
                     publish(RABBITMQ_URL, f"bench-{iso.run_id}", f"bench{iso.run_id}", messages),
                 )
-            await wait_processed(redis, calls_key, events, max_seconds)
+            await wait_processed(iso, events, max_seconds)
             elapsed = time.perf_counter() - started
             await asyncio.sleep(2.0)  # late doubles would show up here
-            counted = await calls(redis, calls_key)
+            counted = calls(iso)
             rss = sum(peak_rss_mb(pid) for pid in pids)
         lost = events - len(counted)
         doubled = sum(1 for v in counted.values() if v > 1)
@@ -146,7 +146,6 @@ async def scenario(
             rss,
         ]
     finally:
-        await redis.aclose()
         await iso.cleanup()
         await _delete_queues(iso)
 

@@ -1,19 +1,25 @@
-"""A business-logic handler for benchmarks: counts each run per dedup key, to find lost and doubled events."""
+"""Business-logic handlers for benchmarks.
+
+``trace`` is the benchmarks' no-op: it only appends ``<dedup key> <unix time>`` to a
+file of its own process (line-buffered, a few microseconds), from which the benchmark
+counts events lost and processed twice, and measures end-to-end latency.
+"""
 
 from __future__ import annotations
 
 import os
-
-from redis.asyncio import Redis
+import time
+from pathlib import Path
+from typing import TextIO
 
 from evolution_ingest.events import Event
 
-_redis: Redis | None = None
+_trace: TextIO | None = None
 
 
-async def count(event: Event) -> None:
-    """``HINCRBY <BENCH_CALLS_KEY> <dedup_key> 1``: one field per event, its value the runs."""
-    global _redis  # noqa: PLW0603 - one client per process, created on first use
-    if _redis is None:
-        _redis = Redis.from_url(os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    await _redis.hincrby(os.environ["BENCH_CALLS_KEY"], event.dedup_key, 1)
+async def trace(event: Event) -> None:
+    global _trace  # noqa: PLW0603 - one file per process, opened on first use
+    if _trace is None:
+        path = Path(os.environ["BENCH_TRACE_DIR"]) / f"trace-{os.getpid()}.txt"
+        _trace = path.open("a", buffering=1, encoding="ascii")
+    _trace.write(f"{event.dedup_key} {time.time():.6f}\n")

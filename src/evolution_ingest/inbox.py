@@ -304,6 +304,13 @@ class PostgresInbox:
             record = await conn.fetchrow(f"SELECT * FROM {TABLE} WHERE dedup_key = $1", dedup_key)
         return None if record is None else dict(record)
 
+    def batch_sizes(self) -> dict[str, float]:
+        """Average events per statement so far, per kind of batch (benchmarks, debugging)."""
+        batchers: dict[str, Batcher[Any, Any]] = {
+            "save": self._saves, "claim": self._claims, "mark": self._marks, "seen": self._seen,
+        }  # fmt: skip
+        return {name: b.items / b.batches for name, b in batchers.items() if b.batches}
+
     async def drain(self) -> None:
         """Wait for batched writes in flight (at shutdown)."""
         for batcher in (self._saves, self._claims, self._marks, self._seen):
@@ -320,6 +327,12 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Nothing to reset between uses: pooled connections change no session state (no SET,
+    LISTEN, cursors or advisory locks), so the default reset query would be a wasted round trip.
+    An open transaction is still rolled back by the pool before this is called."""
+
+
 async def create_pool(
     dsn: str, *, schema: str, size: int, command_timeout: float, connect_timeout: float
 ) -> asyncpg.Pool:
@@ -331,6 +344,7 @@ async def create_pool(
         command_timeout=command_timeout,
         timeout=connect_timeout,
         init=init_connection,
+        reset=_keep_session,
         server_settings={"search_path": schema, "application_name": "evolution-ingest"},
     )
     assert pool is not None

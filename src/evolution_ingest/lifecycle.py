@@ -95,6 +95,9 @@ def webhook_component(app: ASGIApp, settings: Settings) -> Component:
             lifespan="off",
             access_log=False,
             log_config=None,
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
             timeout_graceful_shutdown=int(settings.shutdown_timeout_seconds),
         )
         server = uvicorn.Server(config)

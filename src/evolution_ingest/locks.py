@@ -13,11 +13,15 @@ never raises for that, and never claims a duplicate that Postgres has not seen:
 
 Calls from concurrent requests are sent together in one pipeline (one round trip
 for many events). Keys share a hash tag, so the scripts also work on Redis Cluster.
+What this process itself marked is also remembered in memory for a while
+(:class:`RecentlySeen`), so that a copy of an event this process finished — the
+other channel's copy, an Evolution retry — is answered without even asking Redis.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -84,6 +88,34 @@ class Probe:
 UNAVAILABLE: Final = Probe(available=False)
 
 
+class RecentlySeen:
+    """Seen marks this process set (committed facts only), bounded in size and age."""
+
+    def __init__(self, *, capacity: int, ttl: float) -> None:
+        self._capacity = capacity
+        self._ttl = ttl
+        self._marks: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+
+    def get(self, dedup_key: str) -> frozenset[str]:
+        entry = self._marks.get(dedup_key)
+        if entry is None:
+            return frozenset()
+        if entry[0] < time.monotonic():
+            del self._marks[dedup_key]
+            return frozenset()
+        return entry[1]
+
+    def add(self, dedup_key: str, marks: Iterable[str]) -> None:
+        merged = self.get(dedup_key) | frozenset(marks)
+        self._marks[dedup_key] = (time.monotonic() + self._ttl, merged)
+        self._marks.move_to_end(dedup_key)
+        while len(self._marks) > self._capacity:
+            self._marks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+
 class _Scripts:
     """Lua scripts run by SHA in pipelines, loaded again if Redis forgot them (a restart)."""
 
@@ -122,8 +154,11 @@ class RedisLocks:
         lock_ttl: float,
         seen_ttl: float,
         retry_after: float = 1.0,
+        remember: int = 50_000,
     ) -> None:
         self._prefix = prefix
+        #: Marks this process set; bounded, so memory stays flat however long it runs.
+        self.recent = RecentlySeen(capacity=remember, ttl=seen_ttl)
         self._lock_ttl_ms = max(1, int(lock_ttl * 1000))
         self._seen_ttl_ms = max(1, int(seen_ttl * 1000))
         self._retry_after = retry_after
@@ -157,6 +192,9 @@ class RedisLocks:
 
         ``channel`` is the channel of the copy (None for the reconciler and replays).
         """
+        known = self.recent.get(dedup_key)
+        if PROCESSED in known and (channel is None or channel.value in known):
+            return Probe(True, processed=True, recorded=True)
         if self._skip():
             return UNAVAILABLE
         try:
@@ -171,6 +209,8 @@ class RedisLocks:
     async def release(self, dedup_key: str, token: str | None, marks: Iterable[str] = ()) -> None:
         """Release the lock if ``token`` still owns it, and set seen marks (committed facts only)."""
         fields = list(marks)
+        if fields:
+            self.recent.add(dedup_key, fields)
         if (token is None and not fields) or self._skip():
             return
         try:

@@ -77,7 +77,11 @@ class Runtime:
             lock_ttl=settings.lock_ttl_seconds,
             seen_ttl=settings.seen_ttl_seconds,
         )
-        inbox = PostgresInbox(pool, acquire_timeout=settings.database_timeout_seconds)
+        inbox = PostgresInbox(
+            pool,
+            acquire_timeout=settings.database_timeout_seconds,
+            batch_concurrency=settings.database_batch_concurrency,
+        )
         router = None
         if routes is not None:
             router = Router(
@@ -96,6 +100,7 @@ class Runtime:
             yield cls(settings, inbox, redis, locks, counters, ingestion, router)
         finally:
             await ingestion.drain()
+            log.info("group commit", events_per_statement=inbox.batch_sizes())
             if router is not None:
                 await router.close()
             flusher.cancel()

@@ -26,8 +26,8 @@ import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
 from evolution_ingest.body import BodyRejected, load_body
@@ -53,8 +53,28 @@ class _Refused(Exception):
         self.counter = counter
 
 
-def _json(status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status, headers=headers, media_type="application/json")
+class JsonAnswer:
+    """A JSON response as two ASGI messages: built for every event, so kept minimal."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> None:
+        self.status = status
+        self.body = orjson.dumps(payload)
+        self.headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self.body)).encode()),
+            *((name.lower().encode(), value.encode()) for name, value in (headers or {}).items()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+_json = JsonAnswer
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +113,7 @@ class WebhookApp:
         self._max_keys = settings.max_json_keys
         self._retry_after = str(settings.retry_after_seconds)
 
-    async def receive(self, request: Request) -> Response:
+    async def receive(self, request: Request) -> JsonAnswer:
         started = time.perf_counter()
         channel = _CHANNEL
         try:
@@ -117,7 +137,7 @@ class WebhookApp:
                 {"Retry-After": self._retry_after},
             )
         except ClientDisconnect:
-            return Response(status_code=400)
+            return _json(400, {"error": "the client went away"})
         except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
             self._counters.incr(f"{channel}:errors")
             log.exception("unexpected error while ingesting", path=request.url.path)
@@ -147,33 +167,50 @@ class WebhookApp:
             raise _Refused(400, exc.reason) from None
         if internal:
             return _Call(_keyed(envelope, request.headers.get(DEDUP_KEY_HEADER)), internal=True)
-        refusal = self._auth.refusal(
-            headers=request.headers,
-            url_token=request.path_params.get("token") or request.query_params.get("token"),
-            body=envelope.body,
-        )
-        if refusal:
-            raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
+        if self._auth.enabled:
+            refusal = self._auth.refusal(
+                headers=request.headers,
+                url_token=request.path_params.get("token") or request.query_params.get("token"),
+                body=envelope.body,
+            )
+            if refusal:
+                raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
         return _Call(envelope, internal=False)
 
+    def _too_large(self) -> _Refused:
+        return _Refused(413, f"body larger than {self._max_body} bytes")
+
     async def _body(self, request: Request) -> Any:
-        """The parsed body, read within the size limit (declared or streamed)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_body:
-            raise _Refused(413, f"body larger than {self._max_body} bytes")
+        """The parsed body, read within the size limit (declared or streamed).
+
+        Read straight from the ASGI channel: this runs for every event.
+        """
+        for name, value in request.scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
+                raise self._too_large()
         chunks = []
         size = 0
-        async for chunk in request.stream():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > self._max_body:
-                raise _Refused(413, f"body larger than {self._max_body} bytes")
+                raise self._too_large()
             chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
         try:
-            return load_body(b"".join(chunks), max_bytes=self._max_body, max_keys=self._max_keys)
+            return load_body(
+                chunks[0] if len(chunks) == 1 else b"".join(chunks),
+                max_bytes=self._max_body,
+                max_keys=self._max_keys,
+            )
         except BodyRejected as exc:
             raise _Refused(exc.status, exc.reason) from None
 
-    def _answer(self, result: Result) -> Response:
+    def _answer(self, result: Result) -> JsonAnswer:
         key = result.dedup_key
         match result.outcome:
             case Outcome.PROCESSED:
@@ -199,11 +236,47 @@ class WebhookApp:
                 raise AssertionError(f"unexpected outcome {result.outcome}")
 
 
-async def healthz(_: Request) -> Response:
+async def healthz(_: Request) -> JsonAnswer:
     return _json(200, {"status": "ok"})
 
 
-def create_app(ingestion: Ingestion, settings: Settings) -> Starlette:
+class IngestApp:
+    """The ASGI app: webhook calls go straight to :class:`WebhookApp`, the rest to Starlette.
+
+    The webhook route carries all the traffic; taking it before Starlette's router
+    and middleware saves their cost on every event (``receive`` answers every error
+    itself). Anything else — other paths, other methods — is Starlette's.
+    """
+
+    def __init__(self, webhook: WebhookApp, rest: Starlette) -> None:
+        self._webhook = webhook
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            params = webhook_path_params(scope["path"])
+            if params is not None:
+                scope["path_params"] = params
+                response = await self._webhook.receive(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.rest(scope, receive, send)
+
+
+def webhook_path_params(path: str) -> dict[str, str] | None:
+    """``/api/internal/webhook[/t/<token>][/<suffix>]`` -> its parameters; None for another path."""
+    if not path.startswith(WEBHOOK_PATH):
+        return None
+    rest = path[len(WEBHOOK_PATH) :].strip("/")
+    if not rest:
+        return {}
+    parts = rest.split("/")
+    if parts[0] == "t" and len(parts) in {2, 3} and parts[1]:
+        return {"token": parts[1], **({"suffix": parts[2]} if len(parts) == 3 else {})}
+    return {"suffix": parts[0]} if len(parts) == 1 else None
+
+
+def create_app(ingestion: Ingestion, settings: Settings) -> IngestApp:
     """The ASGI app; ``ingestion`` (and its connections) belong to the caller."""
     webhook = WebhookApp(ingestion, settings)
     if not EvolutionAuth(settings).enabled:
@@ -214,10 +287,9 @@ def create_app(ingestion: Ingestion, settings: Settings) -> Starlette:
     if not settings.internal_secret:
         log.warning("EVOLUTION_INGEST_INTERNAL_SECRET is not set: forwards (already_saved) are refused")
     routes = [
+        # Only reached by non-POST requests (POSTs are taken by IngestApp): a 405 with Allow.
         Route(WEBHOOK_PATH, webhook.receive, methods=["POST"]),
-        Route(WEBHOOK_PATH + "/t/{token}", webhook.receive, methods=["POST"]),
-        Route(WEBHOOK_PATH + "/t/{token}/{suffix}", webhook.receive, methods=["POST"]),
-        Route(WEBHOOK_PATH + "/{suffix}", webhook.receive, methods=["POST"]),
+        Route(WEBHOOK_PATH + "/{rest:path}", webhook.receive, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return IngestApp(webhook, Starlette(routes=routes))
