@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     database_pool_size: int = Field(default=16, ge=1, le=500)
     #: Statements of each kind (saves, claims, marks) running at once; the requests that arrive
     #: meanwhile join the next one (group commit). Lower: bigger batches, fewer commits.
-    database_batch_concurrency: int = Field(default=2, ge=1, le=64)
+    database_batch_concurrency: int = Field(default=1, ge=1, le=64)
     #: Connect, pool-acquire and statement timeout; past it the webhook answers 503.
     database_timeout_seconds: float = Field(default=5.0, gt=0)
     redis_url: str = "redis://127.0.0.1:6379/0"

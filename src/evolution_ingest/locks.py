@@ -165,10 +165,10 @@ class RedisLocks:
         self._down_until = 0.0
         self._scripts = _Scripts(redis)
         self._acquires: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
-            lambda calls: self._scripts.run("acquire", calls), max_concurrency=2
+            lambda calls: self._scripts.run("acquire", calls), max_concurrency=1
         )
         self._releases: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
-            lambda calls: self._scripts.run("release", calls), max_concurrency=2
+            lambda calls: self._scripts.run("release", calls), max_concurrency=1
         )
 
     @property
