@@ -103,7 +103,7 @@ def calls(iso: Isolation) -> dict[str, int]:
 async def wait_processed(iso: Isolation, expected: int, max_seconds: float) -> float:
     started = time.perf_counter()
     deadline = time.monotonic() + max_seconds
-    while iso.traced() < expected and time.monotonic() < deadline:  # noqa: ASYNC110 - polling another process
+    while iso.traced() < expected and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return time.perf_counter() - started
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import aiohttp
 import asyncpg
 from redis.asyncio import Redis
@@ -107,6 +108,26 @@ class Isolation:
         finally:
             await redis.aclose()
         shutil.rmtree(self.trace_dir, ignore_errors=True)
+        await self._delete_rabbitmq()
+
+    async def _delete_rabbitmq(self) -> None:
+        """Every queue and exchange whose name carries this run's id."""
+        names = {}
+        for kind in ("queues", "exchanges"):
+            listed = await asyncio.create_subprocess_exec(
+                "rabbitmqctl", f"list_{kind}", "name", "-q",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            out, _ = await listed.communicate()
+            names[kind] = [name for name in out.decode().split() if self.run_id in name]
+        connection = await aio_pika.connect(RABBITMQ_URL)
+        async with connection:
+            for queue in names["queues"]:
+                channel = await connection.channel()
+                await channel.queue_delete(queue)
+            for exchange in names["exchanges"]:
+                channel = await connection.channel()
+                await channel.exchange_delete(exchange)
 
 
 @asynccontextmanager
@@ -166,6 +187,8 @@ class LoadResult:
     seconds: float
     latencies_ms: list[float]
     statuses: dict[int, int]
+    #: Unix time each body was sent, by index (what end-to-end latency is measured from).
+    sent_at: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -179,39 +202,66 @@ class LoadResult:
 
 
 async def post_all(
-    url: str,
+    urls: str | Sequence[str],
     bodies: Sequence[bytes],
     concurrency: int = 64,
     max_seconds: float = 120,
     headers: dict[str, str] | None = None,
+    rate: float = 0.0,
 ) -> LoadResult:
-    """POST every body with ``concurrency`` requests in flight (bounded by count and time)."""
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
+    """POST every body, bounded by count and time.
+
+    Closed loop (``rate`` 0): ``concurrency`` requests always in flight, as fast as the
+    server answers. Open loop (``rate`` > 0): request *i* starts at ``i / rate`` seconds,
+    whatever the answers, with at most ``concurrency`` in flight. Several ``urls`` are
+    used in turn, as a load balancer would.
+    """
+    targets = [urls] if isinstance(urls, str) else list(urls)
     latencies: list[float] = []
     statuses: dict[int, int] = {}
+    sent_at = [float("nan")] * len(bodies)
     deadline = time.monotonic() + max_seconds
     connector = aiohttp.TCPConnector(limit=concurrency)
     hdrs = {"content-type": "application/json", **(headers or {})}
     async with aiohttp.ClientSession(connector=connector) as http:
 
-        async def worker() -> None:
-            while time.monotonic() < deadline:
-                try:
-                    body = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                started = time.perf_counter()
-                async with http.post(url, data=body, headers=hdrs) as resp:
-                    await resp.read()
-                    statuses[resp.status] = statuses.get(resp.status, 0) + 1
-                latencies.append((time.perf_counter() - started) * 1000)
+        async def send(index: int) -> None:
+            sent_at[index] = time.time()
+            started = time.perf_counter()
+            async with http.post(targets[index % len(targets)], data=bodies[index], headers=hdrs) as resp:
+                await resp.read()
+                statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            latencies.append((time.perf_counter() - started) * 1000)
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if rate <= 0:
+            indices = iter(range(len(bodies)))
+
+            async def worker() -> None:
+                for index in indices:
+                    if time.monotonic() > deadline:
+                        return
+                    await send(index)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            slots = asyncio.Semaphore(concurrency)
+            tasks = []
+
+            async def paced(index: int) -> None:
+                async with slots:
+                    await send(index)
+
+            for index in range(len(bodies)):
+                delay = started + index / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if time.monotonic() > deadline:
+                    break
+                tasks.append(asyncio.create_task(paced(index)))
+            await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
-    return LoadResult(len(latencies), elapsed, latencies, statuses)
+    return LoadResult(len(latencies), elapsed, latencies, statuses, sent_at)
 
 
 async def timed(step: Callable[[], Awaitable[Any]]) -> float:

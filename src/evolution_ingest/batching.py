@@ -43,10 +43,14 @@ class Batcher(Generic[T, R]):
         self.items = 0
 
     async def __call__(self, item: T) -> R:
+        return await self.submit(item)
+
+    def submit(self, item: T) -> asyncio.Future[R]:
+        """Queue ``item`` without waiting; the future holds its result (or its failure)."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._waiting.append((item, future))
         self._start()
-        return await future
+        return future
 
     def _start(self) -> None:
         while self._waiting and self._running < self._max_concurrency:

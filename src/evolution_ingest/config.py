@@ -93,6 +93,8 @@ class Settings(BaseSettings):
     #: Statements of each kind (saves, claims, marks) running at once; the requests that arrive
     #: meanwhile join the next one (group commit). Lower: bigger batches, fewer commits.
     database_batch_concurrency: int = Field(default=1, ge=1, le=64)
+    #: How the service's connections are named in ``pg_stat_activity`` (one name per replica helps).
+    database_application_name: str = Field(default="evolution-ingest", max_length=63)
     #: Connect, pool-acquire and statement timeout; past it the webhook answers 503.
     database_timeout_seconds: float = Field(default=5.0, gt=0)
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -334,7 +334,13 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 
 async def create_pool(
-    dsn: str, *, schema: str, size: int, command_timeout: float, connect_timeout: float
+    dsn: str,
+    *,
+    schema: str,
+    size: int,
+    command_timeout: float,
+    connect_timeout: float,
+    application_name: str = "evolution-ingest",
 ) -> asyncpg.Pool:
     """A pool that connects lazily, so the app can start (and answer 503) while Postgres is down."""
     pool = await asyncpg.create_pool(
@@ -345,7 +351,7 @@ async def create_pool(
         timeout=connect_timeout,
         init=init_connection,
         reset=_keep_session,
-        server_settings={"search_path": schema, "application_name": "evolution-ingest"},
+        server_settings={"search_path": schema, "application_name": application_name},
     )
     assert pool is not None
     return pool

@@ -142,7 +142,7 @@ class Ingestion:
                 marks.append(PROCESSED)
             return result
         finally:
-            await self.locks.release(key, lock_token, marks)
+            self.locks.release_soon(key, lock_token, marks)
 
     # --- RabbitMQ: save, then the worker forwards -----------------------------------
     @asynccontextmanager
@@ -182,7 +182,7 @@ class Ingestion:
         finally:
             if lease is not None:
                 await lease.stop()
-            await self.locks.release(key, lock_token, marks)
+            self.locks.release_soon(key, lock_token, marks)
 
     # --- forwards from the worker and the reconciler ---------------------------------
     async def process_saved(self, envelope: Envelope) -> Result:
@@ -194,13 +194,13 @@ class Ingestion:
         if row is None:
             return self._skip(INTERNAL, Outcome.NOT_FOUND, key)
         if row.processed:
-            await self.locks.release(key, None, [PROCESSED])
+            self.locks.release_soon(key, None, [PROCESSED])
             return self._skip(INTERNAL, Outcome.DUPLICATE, key, row)
         if not row.claimed:
             return self._skip(INTERNAL, Outcome.LOCKED, key, row)
         result = await self._run(envelope, row, claim, INTERNAL, None)
         if result.outcome is Outcome.PROCESSED:
-            await self.locks.release(key, None, [PROCESSED])
+            self.locks.release_soon(key, None, [PROCESSED])
         return result
 
     # --- shared steps ------------------------------------------------------------------
@@ -216,7 +216,7 @@ class Ingestion:
         if probe.recorded:  # a copy from this channel is already committed
             return self._skip(name, Outcome.LOCKED, key)
         row = await self.inbox.save(envelope, channel, None)
-        await self.locks.release(key, None, _marks(channel, row.processed))
+        self.locks.release_soon(key, None, _marks(channel, row.processed))
         return self._skip(name, Outcome.DUPLICATE if row.processed else Outcome.LOCKED, key, row)
 
     async def _finished_here(self, key: str) -> bool:
@@ -331,3 +331,4 @@ class Ingestion:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.inbox.drain()
+        await self.locks.drain()

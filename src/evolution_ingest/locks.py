@@ -20,6 +20,7 @@ other channel's copy, an Evolution retry — is answered without even asking Red
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -217,6 +218,33 @@ class RedisLocks:
             await self._releases((self._keys(dedup_key), [token or "", self._seen_ttl_ms, *fields]))
         except (RedisError, OSError) as exc:
             self._failed("release", exc)
+
+    def release_soon(self, dedup_key: str, token: str | None, marks: Iterable[str] = ()) -> None:
+        """:meth:`release` without waiting for Redis: nothing that answers a caller depends on it.
+
+        The marks are remembered in this process at once; if the process dies before Redis
+        has them, the lock expires with its TTL and Postgres still knows everything.
+        """
+        fields = list(marks)
+        if fields:
+            self.recent.add(dedup_key, fields)
+        if (token is None and not fields) or self._skip():
+            return
+        future = self._releases.submit((self._keys(dedup_key), [token or "", self._seen_ttl_ms, *fields]))
+        future.add_done_callback(self._released)
+
+    def _released(self, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if isinstance(exc, RedisError | OSError):
+            self._failed("release", exc)
+        elif exc is not None:
+            log.error("releasing a lock failed", error=repr(exc))
+
+    async def drain(self) -> None:
+        """Wait for releases still on their way to Redis (at shutdown)."""
+        await self._releases.drain()
 
     async def renew(self, dedup_key: str, token: str) -> bool:
         """Extend a lock this token still owns; False when lost or Redis is down."""

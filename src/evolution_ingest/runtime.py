@@ -66,6 +66,7 @@ class Runtime:
             size=settings.database_pool_size,
             command_timeout=settings.database_timeout_seconds,
             connect_timeout=settings.database_timeout_seconds,
+            application_name=settings.database_application_name,
         )
         redis = redis_client(settings)
         counters = Counters(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import time
 from pathlib import Path
+from typing import TextIO
 
 from evolution_ingest.events import Event
 
@@ -13,3 +16,24 @@ async def hang(event: Event) -> None:
     """Say that business logic started (the event is saved and claimed), then never finish."""
     await asyncio.to_thread(Path(os.environ["TEST_STARTED_FILE"]).write_text, event.dedup_key, "ascii")
     await asyncio.Event().wait()
+
+
+_trace: TextIO | None = None
+
+
+async def drill(event: Event) -> None:
+    """The fault drill's business logic: maybe slow, maybe failing, and a trace line once it completed.
+
+    ``DRILL_DELAY`` (seconds, a random share of it), ``DRILL_FAIL_RATE`` (0..1) and
+    ``DRILL_TRACE_DIR`` (one file per process) come from the environment.
+    """
+    global _trace  # noqa: PLW0603 - one trace file per process, opened on first use
+    delay = float(os.environ.get("DRILL_DELAY", "0"))
+    if delay:
+        await asyncio.sleep(random.uniform(0, delay))
+    if random.random() < float(os.environ.get("DRILL_FAIL_RATE", "0")):
+        raise RuntimeError("drill: failing on purpose")
+    if _trace is None:
+        path = Path(os.environ["DRILL_TRACE_DIR"]) / f"trace-{os.getpid()}.txt"
+        _trace = path.open("a", buffering=1, encoding="ascii")
+    _trace.write(f"{event.dedup_key} {time.time():.6f}\n")

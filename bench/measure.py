@@ -1,0 +1,104 @@
+"""Measuring a scenario: CPU seconds per component, memory, and what the trace handler saw."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def pids_named(*names: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                comm = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in names:
+                found.append(int(entry.name))
+    return found
+
+
+def status_mb(pid: int, field: str) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+class CpuMeter:
+    """CPU seconds spent by each group of processes between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, groups: Mapping[str, Callable[[], Iterable[int]]]) -> None:
+        self._groups = groups
+        self._before: dict[str, dict[int, float]] = {}
+
+    def _sample(self) -> dict[str, dict[int, float]]:
+        return {name: {pid: cpu_seconds(pid) for pid in pids()} for name, pids in self._groups.items()}
+
+    def start(self) -> None:
+        self._before = self._sample()
+
+    def stop(self) -> dict[str, float]:
+        after = self._sample()
+        used = {}
+        for name, pids in after.items():
+            before = self._before.get(name, {})
+            used[name] = sum(max(0.0, seconds - before.get(pid, 0.0)) for pid, seconds in pids.items())
+        return used
+
+
+def infrastructure() -> dict[str, Callable[[], Iterable[int]]]:
+    return {
+        "RabbitMQ": lambda: pids_named("beam.smp"),
+        "Postgres": lambda: pids_named("postgres"),
+        "Redis": lambda: pids_named("redis-server"),
+    }
+
+
+@dataclass
+class Traced:
+    """Business-logic runs recorded by ``bench.handlers.trace``: dedup key -> run times."""
+
+    runs: dict[str, list[float]]
+
+    @classmethod
+    def read(cls, directory: Path) -> Traced:
+        runs: dict[str, list[float]] = {}
+        for path in directory.glob("trace-*.txt"):
+            for line in path.read_text(encoding="ascii").splitlines():
+                key, _, at = line.partition(" ")
+                runs.setdefault(key, []).append(float(at))
+        return cls(runs)
+
+    def lost(self, keys: Iterable[str]) -> int:
+        return sum(1 for key in keys if key not in self.runs)
+
+    def doubled(self) -> int:
+        return sum(1 for times in self.runs.values() if len(times) > 1)
+
+    def latencies_ms(self, sent: Mapping[str, float]) -> list[float]:
+        return [(min(self.runs[key]) - at) * 1000 for key, at in sent.items() if key in self.runs]
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]

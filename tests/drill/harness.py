@@ -1,0 +1,228 @@
+"""The fault drill's pieces: the service as separate processes, Evolution as a sender, the count."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aiohttp
+import orjson
+from bench.events import unique_event
+
+from evolution_ingest.config import Settings
+from evolution_ingest.identity import parse_envelope
+from tests.conftest import RABBITMQ_URL
+from tests.support import free_socket, wait_until
+from tests.support.evolution import consumer_count
+from tests.test_cli import env_for, healthy
+
+#: Evolution's webhook retry, shortened: 5 s, 10 s, 20 s ... become 0.2 s, 0.5 s, 1 s ...
+WEBHOOK_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0)
+#: Statuses Evolution does not retry.
+FINAL = {400, 401, 403, 404, 422}
+
+
+class Deployment:
+    """``serve``, ``worker`` and ``reconcile`` as separate processes, each one killable and restartable."""
+
+    def __init__(self, settings: Settings, trace_dir: Path, **extra: str) -> None:
+        sock = free_socket()
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{self.port}/api/internal/webhook"
+        self.settings = settings
+        self.env = env_for(settings, PORT=str(self.port), FORWARD_URL=self.url, **extra)
+        self.env["DRILL_TRACE_DIR"] = str(trace_dir)
+        self.env["PYTHONPATH"] = os.getcwd()
+        self.env["EVOLUTION_INGEST_LOG_LEVEL"] = "WARNING"
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def start(self, component: str) -> None:
+        self.procs[component] = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "evolution_ingest",
+            component,
+            env=self.env,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        if component == "serve":
+            async with aiohttp.ClientSession() as http:
+                await wait_until(lambda: healthy(http, self.port), within=30, message="the webhook app")
+        if component == "worker":
+            queue = f"{self.settings.rabbitmq_prefix}.messages.upsert"
+            await wait_until(lambda: _consumed(queue), within=30, message="the worker to consume")
+
+    def kill(self, component: str) -> None:
+        self.procs[component].send_signal(signal.SIGKILL)
+
+    async def restart(self, component: str) -> None:
+        await self.procs[component].wait()
+        await self.start(component)
+
+    async def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _consumed(queue: str) -> bool:
+    return await consumer_count(RABBITMQ_URL, queue) >= 1
+
+
+@asynccontextmanager
+async def deployed(settings: Settings, trace_dir: Path, **extra: str) -> AsyncIterator[Deployment]:
+    async with replicas(settings, trace_dir, 1, **extra) as (deployment,):
+        yield deployment
+
+
+@asynccontextmanager
+async def replicas(
+    settings: Settings, trace_dir: Path, count: int, **extra: str
+) -> AsyncIterator[list[Deployment]]:
+    """``count`` replicas of each component on the same stores, each worker forwarding to its webhook app."""
+    deployments = [Deployment(settings, trace_dir, **extra) for _ in range(count)]
+    try:
+        for deployment in deployments:
+            for component in ("serve", "worker", "reconcile"):
+                await deployment.start(component)
+        yield deployments
+    finally:
+        for deployment in deployments:
+            await deployment.stop()
+
+
+@dataclass
+class Evolution:
+    """Sends each event as Evolution does: a webhook retried on failure, and a RabbitMQ publish
+    that is dropped when the broker cannot be reached (Evolution's publisher drops while disconnected)."""
+
+    #: One URL, or several used in turn (a load balancer in front of replicas).
+    webhook_url: str | list[str]
+    rabbitmq_url: str
+    exchange: str
+    prefix: str
+    webhook_timeout: float = 10.0
+    http: aiohttp.ClientSession | None = None
+    connection: Any = None
+    channel: Any = None
+    declared: set[str] = field(default_factory=set)
+    dropped_publishes: int = 0
+    webhook_gave_up: int = 0
+    webhook_retries: int = 0
+
+    async def __aenter__(self) -> Evolution:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.webhook_timeout))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.http is not None
+        await self.http.close()
+        if self.connection is not None:
+            with contextlib.suppress(Exception):
+                await self.connection.close()
+
+    async def send(self, n: int) -> str:
+        webhook, rabbit, event = unique_event(n, "drill")
+        urls = [self.webhook_url] if isinstance(self.webhook_url, str) else self.webhook_url
+        await asyncio.gather(self._webhook(webhook, urls[n % len(urls)]), self._publish(rabbit, event))
+        return parse_envelope(webhook).dedup_key
+
+    async def _webhook(self, body: dict[str, Any], url: str) -> None:
+        assert self.http is not None
+        data = orjson.dumps(body)
+        for attempt, delay in enumerate((0.0, *WEBHOOK_RETRY_DELAYS)):
+            await asyncio.sleep(delay)  # wait-ok: Evolution's own pause between retries
+            if attempt:
+                self.webhook_retries += 1
+            try:
+                async with self.http.post(url, data=data) as resp:
+                    await resp.read()
+                    if resp.status < 300 or resp.status in FINAL:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        self.webhook_gave_up += 1
+
+    async def _publish(self, body: dict[str, Any], event: str) -> None:
+        try:
+            if self.channel is None or self.channel.is_closed:
+                self.connection = await aio_pika.connect(self.rabbitmq_url, timeout=1)
+                self.channel = await self.connection.channel(publisher_confirms=False)
+                self.declared.clear()
+            exchange = await self.channel.declare_exchange(
+                self.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+            )
+            if event not in self.declared:
+                queue = await self.channel.declare_queue(
+                    f"{self.prefix}.{event}", durable=True, arguments={"x-queue-type": "quorum"}
+                )
+                await queue.bind(exchange, routing_key=event)
+                self.declared.add(event)
+            await exchange.publish(aio_pika.Message(body=orjson.dumps(body)), routing_key=event)
+        except (aio_pika.exceptions.AMQPException, OSError, TimeoutError, RuntimeError):
+            self.dropped_publishes += 1
+            self.channel = None
+
+
+@dataclass
+class Count:
+    sent: int
+    completed: dict[str, int]
+    keys: list[str]
+
+    @property
+    def lost(self) -> int:
+        return sum(1 for key in self.keys if key not in self.completed)
+
+    @property
+    def doubled(self) -> int:
+        return sum(1 for key in self.keys if self.completed.get(key, 0) > 1)
+
+
+def completions(trace_dir: Path) -> dict[str, int]:
+    counted: dict[str, int] = {}
+    for path in trace_dir.glob("trace-*.txt"):
+        for line in path.read_text(encoding="ascii").splitlines():
+            key = line.split(" ", 1)[0]
+            counted[key] = counted.get(key, 0) + 1
+    return counted
+
+
+async def send_all(evolution: Evolution, start: int, count: int, rate: float) -> list[str]:
+    """``count`` events, ``rate`` per second, each sent concurrently on both channels."""
+    began = time.monotonic()
+    tasks = []
+    for i in range(count):
+        delay = began + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # wait-ok: pacing the load so that faults land mid-stream
+        tasks.append(asyncio.create_task(evolution.send(start + i)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def settle(trace_dir: Path, keys: list[str], within: float) -> Count:
+    """Wait until every event completed (or ``within`` passed), and a little longer for late doubles."""
+    wanted = set(keys)
+    with contextlib.suppress(AssertionError):  # not all completed in time: the count says how many are lost
+        await wait_until(
+            lambda: wanted <= completions(trace_dir).keys(), within=within, interval=0.2, message="completion"
+        )
+    await asyncio.sleep(2.0)  # wait-ok: a second completion of an event would show up here
+    return Count(len(keys), completions(trace_dir), keys)
