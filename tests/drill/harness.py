@@ -41,7 +41,10 @@ class Deployment:
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}/api/internal/webhook"
         self.settings = settings
-        self.env = env_for(settings, PORT=str(self.port), FORWARD_URL=self.url, **extra)
+        drill = {k: v for k, v in extra.items() if k.startswith("DRILL_")}  # the handler's, not settings
+        service = {k: v for k, v in extra.items() if not k.startswith("DRILL_")}
+        self.env = env_for(settings, PORT=str(self.port), FORWARD_URL=self.url, **service)
+        self.env.update(drill)
         self.env["DRILL_TRACE_DIR"] = str(trace_dir)
         self.env["PYTHONPATH"] = os.getcwd()
         self.env["EVOLUTION_INGEST_LOG_LEVEL"] = "WARNING"
