@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -88,6 +88,12 @@ def _prefix(channel: Channel) -> str:
     return channel.value.lower()
 
 
+@dataclass(slots=True)
+class _Work:
+    #: Business logic completed (``processed_at`` committed) while this process held the event.
+    processed: bool = False
+
+
 def _marks(channel: Channel, processed: bool) -> list[str]:
     return [channel.value, PROCESSED] if processed else [channel.value]
 
@@ -130,19 +136,21 @@ class Ingestion:
         lock_token = str(token) if probe.acquired else None
         claim = Claim(token, self.locks.lock_ttl)
         marks: list[str] = []
-        try:
-            row = await self.inbox.save(envelope, channel, claim)
-            marks = _marks(channel, row.processed)
-            if row.processed:
-                return self._skip(name, Outcome.DUPLICATE, key, row)
-            if not row.claimed:
-                return self._skip(name, Outcome.LOCKED, key, row)
-            result = await self._run(envelope, row, claim, name, lock_token)
-            if result.outcome is Outcome.PROCESSED:
-                marks.append(PROCESSED)
-            return result
-        finally:
-            self.locks.release_soon(key, lock_token, marks)
+        with self._working(key) as work:
+            try:
+                row = await self.inbox.save(envelope, channel, claim)
+                marks = _marks(channel, row.processed)
+                if row.processed:
+                    return self._skip(name, Outcome.DUPLICATE, key, row)
+                if not row.claimed:
+                    return self._skip(name, Outcome.LOCKED, key, row)
+                result = await self._run(envelope, row, claim, name, lock_token)
+                if result.outcome is Outcome.PROCESSED:
+                    work.processed = True
+                    marks.append(PROCESSED)
+                return result
+            finally:
+                self.locks.release_soon(key, lock_token, marks)
 
     # --- RabbitMQ: save, then the worker forwards -----------------------------------
     @asynccontextmanager
@@ -166,23 +174,25 @@ class Ingestion:
         lock_token = token if probe.acquired else None
         marks: list[str] = []
         lease: Lease | None = None
-        try:
-            row = await self.inbox.save(envelope, channel, None)
-            marks = _marks(channel, row.processed)
-            if row.processed:
-                self._skip(name, Outcome.DUPLICATE, key, row)
-                yield Hold(Outcome.DUPLICATE, key, row)
-                return
-            if lock_token is not None:
-                lease = self._lease(key, None, Claim(uuid.UUID(token), self.locks.lock_ttl), lock_token)
-            hold = Hold(Outcome.SAVED, key, row)
-            yield hold
-            if hold.processed:
-                marks.append(PROCESSED)
-        finally:
-            if lease is not None:
-                await lease.stop()
-            self.locks.release_soon(key, lock_token, marks)
+        with self._working(key) as work:
+            try:
+                row = await self.inbox.save(envelope, channel, None)
+                marks = _marks(channel, row.processed)
+                if row.processed:
+                    self._skip(name, Outcome.DUPLICATE, key, row)
+                    yield Hold(Outcome.DUPLICATE, key, row)
+                    return
+                if lock_token is not None:
+                    lease = self._lease(key, None, Claim(uuid.UUID(token), self.locks.lock_ttl), lock_token)
+                hold = Hold(Outcome.SAVED, key, row)
+                yield hold
+                if hold.processed:
+                    work.processed = True
+                    marks.append(PROCESSED)
+            finally:
+                if lease is not None:
+                    await lease.stop()
+                self.locks.release_soon(key, lock_token, marks)
 
     # --- forwards from the worker and the reconciler ---------------------------------
     async def process_saved(self, envelope: Envelope) -> Result:
@@ -198,8 +208,10 @@ class Ingestion:
             return self._skip(INTERNAL, Outcome.DUPLICATE, key, row)
         if not row.claimed:
             return self._skip(INTERNAL, Outcome.LOCKED, key, row)
-        result = await self._run(envelope, row, claim, INTERNAL, None)
-        if result.outcome is Outcome.PROCESSED:
+        with self._working(key) as work:
+            result = await self._run(envelope, row, claim, INTERNAL, None)
+            work.processed = result.outcome is Outcome.PROCESSED
+        if work.processed:
             self.locks.release_soon(key, None, [PROCESSED])
         return result
 
@@ -260,23 +272,20 @@ class Ingestion:
             dedup_key=key, row_id=row_id, claim=claim, lock_token=lock_token,
         )  # fmt: skip
 
-    async def _run(
-        self, envelope: Envelope, row: SavedRow, claim: Claim, name: str, lock_token: str | None
-    ) -> Result:
-        key = envelope.dedup_key
+    @contextmanager
+    def _working(self, key: str) -> Iterator[_Work]:
+        """This process holds the event (lock or claim) from here: copies arriving meanwhile may wait."""
+        work = _Work()
         finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._running.setdefault(key, finished)
-        processed = False
+        mine = self._running.setdefault(key, finished) is finished
         try:
-            result = await self._run_handlers(envelope, row, claim, name, lock_token)
-            processed = result.outcome is Outcome.PROCESSED
-            return result
+            yield work
         finally:
-            if self._running.get(key) is finished:
+            if mine:
                 del self._running[key]
-            finished.set_result(processed)
+                finished.set_result(work.processed)
 
-    async def _run_handlers(
+    async def _run(
         self, envelope: Envelope, row: SavedRow, claim: Claim, name: str, lock_token: str | None
     ) -> Result:
         event = Event(

@@ -89,26 +89,39 @@ class Probe:
 UNAVAILABLE: Final = Probe(available=False)
 
 
+_BITS: Final = {PROCESSED: 1, Channel.WEBHOOK.value: 2, Channel.RABBITMQ.value: 4}
+
+
 class RecentlySeen:
-    """Seen marks this process set (committed facts only), bounded in size and age."""
+    """Seen marks this process set (committed facts only), bounded in size and age.
+
+    Marks are kept as bits in (expiry, bits) tuples of plain numbers: small, and
+    invisible to the garbage collector, however many there are.
+    """
 
     def __init__(self, *, capacity: int, ttl: float) -> None:
         self._capacity = capacity
         self._ttl = ttl
-        self._marks: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+        self._marks: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
-    def get(self, dedup_key: str) -> frozenset[str]:
+    def _bits(self, dedup_key: str) -> int:
         entry = self._marks.get(dedup_key)
         if entry is None:
-            return frozenset()
+            return 0
         if entry[0] < time.monotonic():
             del self._marks[dedup_key]
-            return frozenset()
+            return 0
         return entry[1]
 
+    def get(self, dedup_key: str) -> frozenset[str]:
+        bits = self._bits(dedup_key)
+        return frozenset(mark for mark, bit in _BITS.items() if bits & bit)
+
     def add(self, dedup_key: str, marks: Iterable[str]) -> None:
-        merged = self.get(dedup_key) | frozenset(marks)
-        self._marks[dedup_key] = (time.monotonic() + self._ttl, merged)
+        bits = self._bits(dedup_key)
+        for mark in marks:
+            bits |= _BITS[mark]
+        self._marks[dedup_key] = (time.monotonic() + self._ttl, bits)
         self._marks.move_to_end(dedup_key)
         while len(self._marks) > self._capacity:
             self._marks.popitem(last=False)
