@@ -10,8 +10,14 @@ WAIT_SECONDS=${SERVICES_WAIT_SECONDS:-90}
 
 pg_up() { pg_isready -h 127.0.0.1 -p "$PG_PORT" -q; }
 redis_up() { [ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" = "PONG" ]; }
-# RabbitMQ opens its AMQP listener last in its boot, so an accepted connection means ready.
-amqp_up() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$AMQP_PORT" 2>/dev/null; }
+# An accepted TCP connection is not enough: a broker that is booting, or out of sockets,
+# accepts and then never speaks. Ready means it answers the AMQP 0-9-1 protocol header
+# with a frame (its first byte is 1, a method frame: connection.start).
+amqp_tcp() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$AMQP_PORT" 2>/dev/null; }
+amqp_up() {
+  [ "$(timeout 5 bash -c "exec 3<>/dev/tcp/127.0.0.1/$AMQP_PORT && printf 'AMQP\\0\\0\\011\\01' >&3 && head -c 1 <&3" 2>/dev/null |
+    od -An -tx1 | tr -d ' ')" = "01" ]
+}
 
 start_postgres() {
   service postgresql start >/dev/null 2>&1 && return 0
@@ -25,6 +31,15 @@ start_redis() {
   redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes >/dev/null
 }
 start_rabbitmq() {
+  if amqp_tcp; then
+    # The node is up but its AMQP side does not answer: give a booting broker a minute,
+    # then restart the application inside the node.
+    local deadline=$((SECONDS + 60))
+    while [ "$SECONDS" -lt "$deadline" ]; do amqp_up && return 0; sleep 2; done
+    echo "services: RabbitMQ accepts connections but does not answer AMQP; restarting its application"
+    timeout 120 rabbitmqctl stop_app >/dev/null && timeout 300 rabbitmqctl start_app >/dev/null && return 0
+    return 1
+  fi
   service rabbitmq-server start >/dev/null 2>&1 && return 0
   rabbitmq-server -detached
 }

@@ -30,7 +30,7 @@ from evolution_ingest.topology import Topology
 from evolution_ingest.webhook import create_app
 from evolution_ingest.worker import Worker
 from tests.support import Recorder, fixtures, running_server
-from tests.support.evolution import remove
+from tests.support.evolution import remove, sweep_stale_queues
 from tests.support.proxy import TcpProxy
 
 DATABASE_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -210,6 +210,12 @@ async def running_service(runtime: Runtime, forward_url: str | None = None) -> A
             yield Service(runtime, url, worker, stop, task)
     finally:
         await remove(RABBITMQ_URL, Topology(runtime.settings))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    swept = asyncio.run(sweep_stale_queues(RABBITMQ_URL))
+    if swept:
+        print(f"\nswept {swept} idle queues left by an earlier, interrupted run")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -43,6 +43,17 @@ SHORT_TIMINGS = {
 Fault = Callable[[Deployment], Awaitable[None]]
 
 
+async def remove_drill_topology(settings: Settings) -> None:
+    """Delete the drill's queues and exchanges, named by the drill's own (short) timings."""
+    timings = settings.model_copy(
+        update={
+            "retry_delays_seconds": [float(d) for d in SHORT_TIMINGS["RETRY_DELAYS_SECONDS"].split(",")],
+            "lock_busy_delay_seconds": float(SHORT_TIMINGS["LOCK_BUSY_DELAY_SECONDS"]),
+        }
+    )
+    await remove(RABBITMQ_URL, Topology(timings))
+
+
 @asynccontextmanager
 async def drill(
     settings: Settings, tmp_path: Path, uid: str, evolution_timeout: float = 10.0, **extra: str
@@ -63,7 +74,7 @@ async def drill(
         ):
             yield deployment, evolution, trace
     finally:
-        await remove(RABBITMQ_URL, Topology(settings))
+        await remove_drill_topology(settings)
 
 
 async def run(
@@ -239,5 +250,5 @@ async def test_two_replicas_of_every_component(
         ):
             count = await run(first, evolution, trace)
     finally:
-        await remove(RABBITMQ_URL, Topology(settings))
+        await remove_drill_topology(settings)
     check(count, record, "2 webhook apps, 2 workers, 2 reconcilers", evolution)
