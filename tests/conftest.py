@@ -25,6 +25,7 @@ from evolution_ingest.config import LogFormat, Settings
 from evolution_ingest.forward import HttpForwarder
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.inbox import init_connection
+from evolution_ingest.operate import Operator
 from evolution_ingest.runtime import Runtime, run_migrations
 from evolution_ingest.topology import Topology
 from evolution_ingest.webhook import create_app
@@ -71,6 +72,8 @@ def make_settings(uid: str) -> Callable[..., Settings]:
             "rabbitmq_watchdog_seconds": 1.0,
             "shutdown_timeout_seconds": 5.0,
             "forward_timeout_seconds": 5.0,
+            "metrics_cache_seconds": 0.0,
+            "ready_cache_seconds": 0.0,
         }
         values.update(overrides)
         return Settings(_env_file=None, **values)  # type: ignore[call-arg]
@@ -139,7 +142,8 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @asynccontextmanager
 async def serving(runtime: Runtime) -> AsyncIterator[str]:
     """The webhook app of ``runtime`` on a real port; yields its webhook URL."""
-    async with running_server(create_app(runtime.ingestion, runtime.settings)) as base:
+    operator = Operator(runtime.inbox, runtime.counters, runtime.redis, runtime.settings)
+    async with running_server(create_app(runtime.ingestion, runtime.settings, operator.routes())) as base:
         yield base + "/api/internal/webhook"
 
 

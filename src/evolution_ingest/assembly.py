@@ -19,6 +19,8 @@ from evolution_ingest.forward import Forwarder, HttpForwarder, InProcessForwarde
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.inbox import CONNECTION_ERRORS, StoreUnavailable
 from evolution_ingest.lifecycle import Component, run_components, webhook_component
+from evolution_ingest.observe import GapWatcher
+from evolution_ingest.operate import Operator
 from evolution_ingest.reconciler import Reconciler, Resender
 from evolution_ingest.runtime import Runtime, run_migrations
 from evolution_ingest.topology import Topology, declare
@@ -115,7 +117,9 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
     async with Runtime.open(settings) as runtime:
         components: dict[str, Component] = {}
         if webhook:
-            components["webhook"] = webhook_component(create_app(runtime.ingestion, settings), settings)
+            operator = Operator(runtime.inbox, runtime.counters, runtime.redis, settings)
+            app = create_app(runtime.ingestion, settings, operator.routes())
+            components["webhook"] = webhook_component(app, settings)
             log.info("webhook app starting", host=settings.host, port=settings.port)
         if not (worker or reconciler):
             return await run_components(components)
@@ -126,6 +130,7 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
                 ).run
             if reconciler:
                 components["reconciler"] = build_reconciler(runtime, sender).run
+                components["gap-watcher"] = GapWatcher(runtime.counters, runtime.redis, settings).run
             return await run_components(components)
 
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -193,6 +194,28 @@ class Settings(BaseSettings):
     redis_key_prefix: str = "evolution-ingest:"
     log_level: str = "INFO"
     log_format: LogFormat = LogFormat.AUTO
+    #: One log line per outcome (event, instance, dedup key, channel, duration) at INFO.
+    log_outcomes: bool = True
+
+    # --- operating it: metrics, readiness, coverage, dashboard -------------------------
+    #: Evolution's time zone: its ``date_time`` is local time labelled Z (end-to-end latency).
+    evolution_timezone: str = "UTC"
+    #: ``/metrics`` and ``/dashboard`` read Postgres and RabbitMQ at most this often.
+    metrics_cache_seconds: float = Field(default=2.0, ge=0)
+    #: ``/readyz`` checks the stores at most this often.
+    ready_cache_seconds: float = Field(default=1.0, ge=0)
+    #: A channel silent this long for an instance while the other delivers raises a gap alert.
+    gap_alert_after_seconds: float = Field(default=300.0, gt=0)
+    #: How often the gap watcher (in ``reconcile`` and ``up``) looks.
+    gap_check_interval_seconds: float = Field(default=30.0, gt=0)
+    #: Where gap alerts are posted as ``{"text", "content"}`` (Slack, Discord...); always logged.
+    gap_alert_webhook_url: str | None = None
+    #: The window of the coverage figures (share of events seen on both channels).
+    coverage_window_seconds: float = Field(default=3600.0, gt=0)
+    #: Events younger than this are left out of the coverage share (the other copy may be on its way).
+    coverage_settle_seconds: float = Field(default=60.0, ge=0)
+    #: ``/dashboard``: off unless set; open it with this token (HTTP basic auth password, or Bearer).
+    dashboard_token: SecretStr | None = None
 
     @field_validator("webhook_auth", "handlers", "rabbitmq_instances", "rabbitmq_events", mode="before")
     @classmethod
@@ -246,6 +269,17 @@ class Settings(BaseSettings):
         if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError("choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
         return level
+
+    @field_validator("evolution_timezone")
+    @classmethod
+    def _timezone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"unknown time zone {value!r} (an IANA name such as UTC or America/Sao_Paulo)"
+            ) from None
+        return value
 
     @field_validator("database_url")
     @classmethod

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, tzinfo
 from typing import Final
 
 import structlog
@@ -109,12 +111,14 @@ class Ingestion:
         pipeline: HandlerPipeline,
         counters: Counters,
         busy_wait_seconds: float = 5.0,
+        evolution_timezone: tzinfo = UTC,
     ) -> None:
         self.inbox = inbox
         self.locks = locks
         self.pipeline = pipeline
         self.counters = counters
         self._busy_wait = busy_wait_seconds
+        self._evolution_tz = evolution_timezone
         #: Events whose business logic runs in this process: True once processed.
         self._running: dict[str, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -124,6 +128,7 @@ class Ingestion:
         """Save a copy from Evolution and run business logic unless done or underway."""
         name, key = _prefix(channel), envelope.dedup_key
         self.counters.incr(f"{name}:received")
+        self.counters.delivered(name, envelope.instance)
         token = uuid.uuid4()
         probe = await self._probe(name, key, str(token), channel)
         if probe.processed:
@@ -158,6 +163,7 @@ class Ingestion:
         """Save a copy and, when it still needs business logic, hold the lock while forwarding."""
         name, key = _prefix(channel), envelope.dedup_key
         self.counters.incr(f"{name}:received")
+        self.counters.delivered(name, envelope.instance)
         token = str(uuid.uuid4())
         probe = await self._probe(name, key, token, channel)
         if probe.busy and await self._finished_here(key):
@@ -301,6 +307,7 @@ class Ingestion:
             id=row.id,
         )
         lease = self._lease(envelope.dedup_key, row.id, claim, lock_token)
+        started = time.perf_counter()
         try:
             await self.pipeline.run(event)
         except Exception as exc:  # handlers are user code: record, count, answer 5xx
@@ -320,10 +327,22 @@ class Ingestion:
             self.counters.incr(f"{name}:failed")
             return Result(Outcome.FAILED, envelope.dedup_key, row.id, error)
         finally:
+            self.counters.observe("handler_seconds", time.perf_counter() - started)
             await lease.stop()
         await self._mark_processed(row.id)
         self.counters.incr(f"{name}:processed")
+        self._observe_end_to_end(envelope.date_time)
         return Result(Outcome.PROCESSED, envelope.dedup_key, row.id)
+
+    def _observe_end_to_end(self, date_time: str | None) -> None:
+        """From Evolution's ``date_time`` (its local time, labelled Z) to processed."""
+        if not date_time:
+            return
+        try:
+            emitted = datetime.fromisoformat(date_time).replace(tzinfo=self._evolution_tz)
+        except ValueError:
+            return
+        self.counters.observe("end_to_end_seconds", (datetime.now(UTC) - emitted).total_seconds())
 
     async def _mark_processed(self, row_id: int) -> None:
         """Business logic ran: record it, riding out a brief Postgres outage."""

@@ -10,15 +10,30 @@ request and loses no count unless the process dies in between.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import Final
 
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 log = structlog.get_logger(__name__)
+
+#: Upper bounds (seconds) of the latency histograms; one more bucket catches the rest.
+BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: Per-minute delivery counts are kept this long (the dashboard shows the last hour).
+RATE_TTL_SECONDS: Final = 2 * 3600
+#: Keys under the prefix that are not plain counters (left out of :meth:`Counters.read`).
+SERIES: Final = ("hist:", "rate:", "last_seen")
+LAST_SEEN: Final = "last_seen"
+
+
+def bucket_label(index: int) -> str:
+    return "+Inf" if index == len(BUCKETS) else repr(BUCKETS[index])
 
 
 def reraise_cancellation() -> None:
@@ -41,6 +56,8 @@ class Counters:
         self._prefix = prefix
         self._interval = flush_interval
         self._pending: Counter[str] = Counter()
+        self._rates: Counter[str] = Counter()
+        self._last_seen: dict[str, float] = {}
         self._redis_down = False
 
     @property
@@ -50,22 +67,49 @@ class Counters:
     def incr(self, name: str, amount: int = 1) -> None:
         self._pending[name] += amount
 
+    def observe(self, histogram: str, seconds: float) -> None:
+        """One observation of a latency histogram, shared by every process through Redis.
+
+        Buckets are kept as plain counters (``hist:<name>:<bucket>``, not cumulative),
+        with ``:count`` and ``:sum_us`` beside them.
+        """
+        seconds = max(seconds, 0.0)
+        pending = self._pending
+        pending[f"hist:{histogram}:{bucket_label(bisect.bisect_left(BUCKETS, seconds))}"] += 1
+        pending[f"hist:{histogram}:count"] += 1
+        pending[f"hist:{histogram}:sum_us"] += round(seconds * 1_000_000)
+
+    def delivered(self, channel: str, instance: str) -> None:
+        """A channel delivered an event of ``instance``: per-minute rates and last-seen times."""
+        now = time.time()
+        self._rates[f"rate:{channel}:{int(now // 60) * 60}"] += 1
+        self._last_seen[f"{instance}\t{channel}"] = round(now, 3)
+
     def pending(self) -> dict[str, int]:
         """Increments not yet flushed to Redis."""
         return dict(self._pending)
 
     async def flush(self) -> bool:
         """Send what is pending; True when Redis took it (or nothing was pending)."""
-        if not self._pending:
+        if not (self._pending or self._rates or self._last_seen):
             return True
         batch, self._pending = self._pending, Counter()
+        rates, self._rates = self._rates, Counter()
+        seen, self._last_seen = self._last_seen, {}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for name, amount in batch.items():
                     pipe.incrby(self._prefix + name, amount)
+                for name, amount in rates.items():
+                    pipe.incrby(self._prefix + name, amount)
+                    pipe.expire(self._prefix + name, RATE_TTL_SECONDS)
+                if seen:
+                    pipe.hset(self._prefix + LAST_SEEN, mapping=seen)  # type: ignore[arg-type]
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._pending.update(batch)
+            self._rates.update(rates)
+            self._last_seen = {**seen, **self._last_seen}
             if not self._redis_down:
                 log.warning("counters not flushed, Redis unavailable; keeping them", error=repr(exc))
             self._redis_down = True
@@ -89,7 +133,8 @@ class Counters:
         """Current values from Redis (pending increments of this process included)."""
         if names is None:
             keys = [key async for key in self._redis.scan_iter(match=self._prefix + "*", count=500)]
-            wanted = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+            names_found = (k.decode() if isinstance(k, bytes) else k for k in keys)
+            wanted = sorted(k for k in names_found if not k.removeprefix(self._prefix).startswith(SERIES))
         else:
             wanted = [self._prefix + name for name in names]
         values = await self._redis.mget(wanted) if wanted else []
@@ -97,6 +142,38 @@ class Counters:
             key.removeprefix(self._prefix): int(value or 0) for key, value in zip(wanted, values, strict=True)
         }
         for name, amount in self._pending.items():
+            if names is None and name.startswith(SERIES):
+                continue
             if names is None or name in totals:
                 totals[name] = totals.get(name, 0) + amount
         return totals
+
+    async def read_rates(self, channel: str, minutes: int = 60) -> list[tuple[int, int]]:
+        """(minute start, deliveries) of ``channel`` over the last ``minutes`` minutes, oldest first."""
+        now = int(time.time() // 60) * 60
+        starts = [now - 60 * back for back in range(minutes - 1, -1, -1)]
+        values = await self._redis.mget([f"{self._prefix}rate:{channel}:{start}" for start in starts])
+        return [(start, int(value or 0)) for start, value in zip(starts, values, strict=True)]
+
+    async def read_last_seen(self) -> dict[str, dict[str, float]]:
+        """Per instance, per channel: when it last delivered (Unix time)."""
+        raw = await self._redis.hgetall(self._prefix + LAST_SEEN)
+        seen: dict[str, dict[str, float]] = {}
+        for field, value in raw.items():
+            name = field.decode() if isinstance(field, bytes) else field
+            instance, _, channel = name.rpartition("\t")
+            seen.setdefault(instance, {})[channel] = float(value)
+        for name, at in self._last_seen.items():
+            instance, _, channel = name.rpartition("\t")
+            seen.setdefault(instance, {})[channel] = max(at, seen.get(instance, {}).get(channel, 0.0))
+        return seen
+
+    async def read_histogram(self, histogram: str) -> tuple[list[int], int, float]:
+        """(count per bucket, not cumulative, last one +Inf), count, sum in seconds."""
+        names = [f"hist:{histogram}:{bucket_label(i)}" for i in range(len(BUCKETS) + 1)]
+        values = await self.read([*names, f"hist:{histogram}:count", f"hist:{histogram}:sum_us"])
+        return (
+            [values[n] for n in names],
+            values[f"hist:{histogram}:count"],
+            values[f"hist:{histogram}:sum_us"] / 1e6,
+        )

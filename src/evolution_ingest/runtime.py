@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from zoneinfo import ZoneInfo
 
 import asyncpg
 import structlog
@@ -95,6 +96,7 @@ class Runtime:
             pipeline=pipeline,
             counters=counters,
             busy_wait_seconds=settings.lock_busy_wait_seconds,
+            evolution_timezone=ZoneInfo(settings.evolution_timezone),
         )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:

@@ -4,7 +4,8 @@ Routes (Evolution's "webhook by events" appends ``/<event-suffix>``)::
 
     POST /api/internal/webhook[/<event-suffix>]
     POST /api/internal/webhook/t/<token>[/<event-suffix>]    (token in the URL)
-    GET  /healthz
+    GET  /healthz                  (the process is alive)
+    GET  /readyz, /metrics, /dashboard   (see evolution_ingest.operate)
 
 Status codes: 200 processed or skipped (with the reason); 400 malformed JSON or
 not an Evolution event; 401 refused (Evolution does not retry it, so it is
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -26,7 +27,7 @@ import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
@@ -112,6 +113,7 @@ class WebhookApp:
         self._max_body = settings.max_body_bytes
         self._max_keys = settings.max_json_keys
         self._retry_after = str(settings.retry_after_seconds)
+        self._outcome_level = "info" if settings.log_outcomes else "debug"
 
     async def receive(self, request: Request) -> JsonAnswer:
         started = time.perf_counter()
@@ -143,8 +145,8 @@ class WebhookApp:
             log.exception("unexpected error while ingesting", path=request.url.path)
             return _json(500, {"error": "internal error; the event was not acknowledged"})
         duration_ms = round((time.perf_counter() - started) * 1000, 2)
-        log.debug(
-            "ingested",
+        getattr(log, self._outcome_level)(
+            "outcome",
             outcome=result.outcome.value,
             event_name=call.envelope.event,
             instance=call.envelope.instance,
@@ -276,8 +278,13 @@ def webhook_path_params(path: str) -> dict[str, str] | None:
     return {"suffix": parts[0]} if len(parts) == 1 else None
 
 
-def create_app(ingestion: Ingestion, settings: Settings) -> IngestApp:
-    """The ASGI app; ``ingestion`` (and its connections) belong to the caller."""
+def create_app(
+    ingestion: Ingestion, settings: Settings, operator_routes: Sequence[BaseRoute] = ()
+) -> IngestApp:
+    """The ASGI app; ``ingestion`` (and its connections) belong to the caller.
+
+    ``operator_routes``: ``/metrics``, ``/readyz`` and ``/dashboard`` (see :mod:`evolution_ingest.operate`).
+    """
     webhook = WebhookApp(ingestion, settings)
     if not EvolutionAuth(settings).enabled:
         log.warning(
@@ -291,5 +298,6 @@ def create_app(ingestion: Ingestion, settings: Settings) -> IngestApp:
         Route(WEBHOOK_PATH, webhook.receive, methods=["POST"]),
         Route(WEBHOOK_PATH + "/{rest:path}", webhook.receive, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *operator_routes,
     ]
     return IngestApp(webhook, Starlette(routes=routes))

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -40,7 +41,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, 
 from evolution_ingest.body import BodyRejected, load_body
 from evolution_ingest.config import Settings
 from evolution_ingest.forward import Delivery, Forwarder
-from evolution_ingest.identity import InvalidEvent, parse_envelope
+from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
 from evolution_ingest.inbox import StoreUnavailable
 from evolution_ingest.ingestion import Ingestion, Outcome
 from evolution_ingest.topology import Topology, declare
@@ -78,6 +79,9 @@ class Action(enum.StrEnum):
 class Decision:
     action: Action
     reason: str | None = None
+    #: What happened, for the outcome log line: duplicate, locked, forwarded, forward_failed...
+    outcome: str = ""
+    envelope: Envelope | None = None
 
 
 def _header_int(headers: dict[str, Any], name: str) -> int:
@@ -220,7 +224,9 @@ class Worker:
             async with self._slots:
                 if self._stopping:
                     return  # never started: the channel closes and RabbitMQ redelivers it
+                started = time.perf_counter()
                 decision = await self.decide(message)
+                self._log_outcome(queue, decision, started)
                 try:
                     await self.settle(queue, message, decision)
                 except BROKER_ERRORS as exc:
@@ -234,6 +240,20 @@ class Worker:
             if self._inflight == 0:
                 self._idle.set()
 
+    def _log_outcome(self, queue: str, decision: Decision, started: float) -> None:
+        envelope = decision.envelope
+        getattr(log, "info" if self._settings.log_outcomes else "debug")(
+            "outcome",
+            outcome=decision.outcome,
+            action=decision.action.value,
+            event_name=envelope.event if envelope else None,
+            instance=envelope.instance if envelope else None,
+            dedup_key=envelope.dedup_key if envelope else None,
+            channel=_NAME,
+            queue=queue,
+            duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
+
     async def decide(self, message: AbstractIncomingMessage) -> Decision:
         try:
             body = load_body(
@@ -242,27 +262,27 @@ class Worker:
             envelope = parse_envelope(body)
         except (BodyRejected, InvalidEvent) as exc:
             self._counters.incr(f"{_NAME}:invalid")
-            return Decision(Action.PARK, f"not an Evolution event: {exc.reason}")
+            return Decision(Action.PARK, f"not an Evolution event: {exc.reason}", "invalid")
         try:
             async with self._ingestion.hold(envelope) as held:
                 if held.outcome is Outcome.DUPLICATE:
-                    return Decision(Action.ACK)
+                    return Decision(Action.ACK, outcome="duplicate", envelope=envelope)
                 if held.outcome is Outcome.LOCKED:
-                    return Decision(Action.BUSY)
+                    return Decision(Action.BUSY, outcome="locked", envelope=envelope)
                 result = await self._forwarder.forward(envelope)
                 if result.delivery is Delivery.DONE:
                     held.processed = True
                     self._counters.incr(f"{_NAME}:forward_ok")
-                    return Decision(Action.ACK)
+                    return Decision(Action.ACK, outcome="forwarded", envelope=envelope)
                 if result.delivery is Delivery.LOCKED:
                     self._counters.incr(f"{_NAME}:forward_locked")
-                    return Decision(Action.BUSY)
+                    return Decision(Action.BUSY, outcome="forward_locked", envelope=envelope)
                 self._counters.incr(f"{_NAME}:forward_fail")
                 log.warning("forward failed", dedup_key=envelope.dedup_key, error=result.error)
-                return Decision(Action.RETRY, result.error)
+                return Decision(Action.RETRY, result.error, "forward_failed", envelope)
         except StoreUnavailable as exc:
             self._counters.incr(f"{_NAME}:unavailable")
-            return Decision(Action.RETRY, str(exc))
+            return Decision(Action.RETRY, str(exc), "unavailable", envelope)
 
     async def settle(self, queue: str, message: AbstractIncomingMessage, decision: Decision) -> None:
         """The one place a message is acknowledged, delayed, retried or parked."""

@@ -1,0 +1,146 @@
+"""The operator's routes of the webhook app: ``/metrics``, ``/readyz`` and ``/dashboard``.
+
+``/dashboard`` is off unless ``EVOLUTION_INGEST_DASHBOARD_TOKEN`` is set; it then asks for
+that token as the password of HTTP basic auth (any user name), or as a Bearer token.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import time
+from importlib import resources
+from typing import Any, Final
+
+import orjson
+from redis.asyncio import Redis
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from evolution_ingest.config import Settings
+from evolution_ingest.inbox import TABLE, PostgresInbox
+from evolution_ingest.inspection import inbox_stats, inspect, rabbitmq_status
+from evolution_ingest.metrics import Counters
+from evolution_ingest.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
+
+_FAILURES: Final = f"""
+SELECT id, dedup_key, event, instance, attempts, last_error, last_attempt_at,
+       processed_at IS NOT NULL AS processed, failed_at IS NOT NULL AS given_up
+  FROM {TABLE}
+ WHERE last_error IS NOT NULL
+ ORDER BY last_attempt_at DESC NULLS LAST
+ LIMIT 20
+"""
+
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(payload, default=str, option=orjson.OPT_INDENT_2),
+        status,
+        headers,
+        media_type="application/json",
+    )
+
+
+class DashboardAuth:
+    """The token as a basic-auth password (any user) or a Bearer token, compared in constant time."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def allows(self, request: Request) -> bool:
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        given = b""
+        if scheme.lower() == "bearer":
+            given = credentials.strip().encode()
+        elif scheme.lower() == "basic":
+            try:
+                given = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                return False
+        return bool(given) and hmac.compare_digest(given, self._token)
+
+
+_CHALLENGE: Final = {"WWW-Authenticate": 'Basic realm="evolution-ingest dashboard", charset="UTF-8"'}
+
+
+class Operator:
+    """What the routes read: the process's stores, through short caches."""
+
+    def __init__(self, inbox: PostgresInbox, counters: Counters, redis: Redis, settings: Settings) -> None:
+        self._inbox = inbox
+        self._counters = counters
+        self._settings = settings
+        self.metrics = Metrics(inbox, counters, settings)
+        self.readiness = Readiness(inbox, redis, settings)
+        self._redis = redis
+        self._auth = (
+            DashboardAuth(settings.dashboard_token.get_secret_value()) if settings.dashboard_token else None
+        )
+        self._data = Cached(self._read_dashboard, settings.metrics_cache_seconds)
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/metrics", self.get_metrics, methods=["GET"]),
+            Route("/readyz", self.get_readyz, methods=["GET"]),
+            Route("/dashboard", self.get_dashboard, methods=["GET"]),
+            Route("/dashboard/data", self.get_dashboard_data, methods=["GET"]),
+            Route("/dashboard/events/{ref}", self.get_event, methods=["GET"]),
+        ]
+
+    async def get_metrics(self, _: Request) -> Response:
+        body, content_type = await self.metrics.exposition()
+        return Response(body, headers={"content-type": content_type})
+
+    async def get_readyz(self, _: Request) -> Response:
+        report = await self.readiness.report()
+        return _json(report, 200 if report["ready"] else 503)
+
+    def _refusal(self, request: Request) -> Response | None:
+        if self._auth is None:
+            return _json({"error": "the dashboard is off; set EVOLUTION_INGEST_DASHBOARD_TOKEN"}, 404)
+        if not self._auth.allows(request):
+            return _json({"error": "the dashboard token is required"}, 401, _CHALLENGE)
+        return None
+
+    async def get_dashboard(self, request: Request) -> Response:
+        if refusal := self._refusal(request):
+            return refusal
+        page = resources.files("evolution_ingest").joinpath("dashboard.html").read_text(encoding="utf-8")
+        return HTMLResponse(page, headers={"cache-control": "no-store"})
+
+    async def get_dashboard_data(self, request: Request) -> Response:
+        if refusal := self._refusal(request):
+            return refusal
+        return _json(await self._data.get(), headers={"cache-control": "no-store"})
+
+    async def get_event(self, request: Request) -> Response:
+        if refusal := self._refusal(request):
+            return refusal
+        try:
+            return _json(await inspect(self._inbox, request.path_params["ref"]))
+        except LookupError as exc:
+            return _json({"error": str(exc)}, 404)
+        except ValueError as exc:
+            return _json({"error": str(exc)}, 400)
+
+    async def _read_dashboard(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"at": time.time(), "readiness": await self.readiness.report()}
+        try:
+            data["counters"] = await self._counters.read()
+            data["rates"] = {ch: await self._counters.read_rates(ch) for ch in CHANNELS}
+            data["gaps"] = await raised_gaps(self._redis, self._settings)
+        except Exception as exc:  # shown on the page: it must work when Redis is down
+            data["redis_error"] = f"{type(exc).__name__}: {exc}"
+        data["coverage"] = await coverage(self._inbox, self._counters, self._settings)
+        data["rabbitmq"] = await rabbitmq_status(self._settings)
+        data["gap_after_seconds"] = self._settings.gap_alert_after_seconds
+        data["inbox"] = await inbox_stats(self._inbox, self._settings)
+        try:
+            async with self._inbox.connection() as conn:
+                data["failures"] = [dict(row) for row in await conn.fetch(_FAILURES)]
+        except Exception as exc:  # shown on the page
+            data["postgres_error"] = f"{type(exc).__name__}: {exc}"
+        return data
