@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from evolution_ingest.config import Settings
-from evolution_ingest.events import Event
+from evolution_ingest.events import Channel, Event
+from evolution_ingest.handlers import log_summary, log_with_text
 from evolution_ingest.observe import GapWatcher, coverage, find_gaps
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.topology import Topology
@@ -33,7 +35,8 @@ from tests.conftest import (
     running_service,
     serving,
 )
-from tests.support import Recorder, fixture, fixtures, free_socket, wait_until
+from tests.support import Recorder, fixture, fixtures, free_socket, running_server, wait_until
+from tests.support.destination import Destination
 from tests.support.evolution import EvolutionPublisher, broker, remove
 
 UNIQUE = 19  # the 20 fixtures hold one re-emission of another message
@@ -272,10 +275,33 @@ async def _gap_scenario(
                 )
                 await deliver(False, 1.0)  # still silent: no second alert
                 assert len(_gap_logs(capture_logs)) == 1
+                samples = await scrape(http, service.url.removesuffix("/api/internal/webhook"))
+                assert (
+                    value(samples, "evolution_ingest_channel_gap", instance="acme-gap", channel="rabbitmq")
+                    == 1
+                )
+                assert (
+                    value(samples, "evolution_ingest_channel_gap", instance="acme-gap", channel="webhook")
+                    == 0
+                )
+                assert (
+                    value(
+                        samples,
+                        "evolution_ingest_channel_last_delivery_age_seconds",
+                        instance="acme-gap",
+                        channel="rabbitmq",
+                    )
+                    >= 2
+                )
                 await deliver(True, 1.0)
                 await wait_until(lambda: len(_gap_logs(capture_logs)) == 2, within=5, message="gap cleared")
                 cleared = _gap_logs(capture_logs)[1]
                 assert (cleared["event"], cleared["instance"]) == ("channel gap cleared", "acme-gap")
+                samples = await scrape(http, service.url.removesuffix("/api/internal/webhook"))
+                assert (
+                    value(samples, "evolution_ingest_channel_gap", instance="acme-gap", channel="rabbitmq")
+                    == 0
+                )
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -402,3 +428,60 @@ async def _send_on_both_channels(port: int, settings: Settings) -> None:
             return value(samples, "evolution_ingest_events_received_total", channel="rabbitmq") >= 20
 
         await wait_until(rabbitmq_done, within=30, message="20 RabbitMQ deliveries")
+
+
+@pytest.mark.parametrize(("handler", "shows_text"), [(log_summary, False), (log_with_text, True)])
+async def test_message_text_is_logged_only_by_the_opt_in_handler(handler: Any, shows_text: bool) -> None:
+    body = fixture("messages_upsert_text_incoming")["webhook_body"]
+    text = body["data"]["message"]["conversation"]
+    event = Event(
+        dedup_key="0" * 64,
+        event=body["event"],
+        instance=body["instance"],
+        data=body["data"],
+        payload=body,
+        channel=Channel.WEBHOOK,
+        received_at=datetime.now(UTC),
+        date_time=body["date_time"],
+        attempts=0,
+        id=1,
+    )
+    with capture_logs() as logs:
+        await handler(event)
+    assert len(logs) == 1
+    rendered = json.dumps(logs[0], ensure_ascii=False)
+    assert (text in rendered) is shows_text
+    assert body["apikey"] not in rendered
+
+
+async def test_two_watchers_post_one_gap_alert_and_one_clearance_to_the_alert_webhook(
+    open_runtime: OpenRuntime,
+) -> None:
+    chat = Destination()
+    async with (
+        running_server(chat.app) as base,
+        open_runtime(gap_alert_after_seconds=5.0, gap_alert_webhook_url=base + "/hooks/chat") as runtime,
+    ):
+        redis, settings = runtime.redis, runtime.settings
+        seen_key = settings.metrics_prefix + "last_seen"
+        now = time.time()
+        await redis.hset(seen_key, mapping={"acme-x\twebhook": now, "acme-x\trabbitmq": now - 60})
+        replicas = [GapWatcher(runtime.counters, redis, settings) for _ in range(2)]
+        outcomes = [await watcher.check() for watcher in (*replicas, *replicas)]
+        assert sum(len(raised) for raised, _ in outcomes) == 1
+        await redis.hset(seen_key, "acme-x\trabbitmq", time.time() + 1)  # RabbitMQ is back
+        outcomes = [await watcher.check() for watcher in (*replicas, *replicas)]
+        assert [cleared for _, cleared in outcomes if cleared] == [[("acme-x", "rabbitmq")]]
+        for watcher in replicas:
+            await watcher.run(_already_set())  # closes its HTTP session
+    texts = [r.body["text"] for r in chat.accepted]
+    assert len(texts) == 2
+    assert "no rabbitmq deliveries for instance 'acme-x'" in texts[0]
+    assert "rabbitmq delivers again for instance 'acme-x'" in texts[1]
+    assert chat.received[0].body["content"] == texts[0]  # Discord reads "content", Slack "text"
+
+
+def _already_set() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event

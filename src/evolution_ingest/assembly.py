@@ -4,6 +4,7 @@ the resources of a process and its components. The only place that reads the env
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -113,7 +114,21 @@ def build_reconciler(runtime: Runtime, sender: Forwarder) -> Reconciler:
     return Reconciler(resender=resender, inbox=runtime.inbox, counters=runtime.counters, settings=settings)
 
 
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections for a long-running service.
+
+    Objects made at start-up (modules, settings, pools) are frozen out of every later
+    collection, and young collections run every 20,000 allocations instead of 700: the
+    pauses of the collector were the tail of the webhook latency (p99 at half load).
+    Memory stays flat (the benchmark's soak checks it).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+
+
 async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconciler: bool) -> int:
+    tune_gc()
     async with Runtime.open(settings) as runtime:
         components: dict[str, Component] = {}
         if webhook:

@@ -38,6 +38,43 @@ async def log_summary(event: Event) -> None:
     )
 
 
+async def log_with_text(event: Event) -> None:
+    """Like :func:`log_summary`, plus the text of a message: the operator's opt-in.
+
+    Set ``EVOLUTION_INGEST_HANDLERS=evolution_ingest.handlers:log_with_text``. The ``apikey``
+    is never logged, whatever the handler.
+    """
+    log.info(
+        "event",
+        event_name=event.event,
+        instance=event.instance,
+        dedup_key=event.dedup_key,
+        channel=event.channel.value,
+        summary=summarize(event),
+        text=message_text(event),
+    )
+
+
+def message_text(event: Event) -> str | None:
+    """The text (or caption) of a message event, if it has one."""
+    data = event.data
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, dict):
+        return None
+    if isinstance(message.get("conversation"), str):
+        return str(message["conversation"])
+    for kind, field in (
+        ("extendedTextMessage", "text"),
+        ("imageMessage", "caption"),
+        ("videoMessage", "caption"),
+        ("documentMessage", "caption"),
+    ):
+        inner = message.get(kind)
+        if isinstance(inner, dict) and isinstance(inner.get(field), str):
+            return str(inner[field])
+    return None
+
+
 async def noop(event: Event) -> None:
     """Does nothing: keep the inbox only, or measure the service itself (benchmarks)."""
 

@@ -35,6 +35,7 @@ from evolution_ingest.delivery import Courier, DeliveryStatus
 from evolution_ingest.inbox import TABLE, PostgresInbox
 from evolution_ingest.inspection import inbox_stats, rabbitmq_status
 from evolution_ingest.metrics import BUCKETS, Counters, reraise_cancellation
+from evolution_ingest.routes import load_routes
 from evolution_ingest.worker import BROKER_ERRORS
 
 log = structlog.get_logger(__name__)
@@ -169,7 +170,10 @@ class GapWatcher:
         self._redis = redis
         self._settings = settings
         self._key = gaps_key(settings)
-        self._courier: Courier | None = Courier() if settings.gap_alert_webhook_url else None
+        # Posted where the routes' alerts go, unless a URL of its own is set.
+        routes = load_routes(settings.routes_file) if settings.routes_file else None
+        self._url = settings.gap_alert_webhook_url or (routes.alert_webhook_url if routes else None)
+        self._courier: Courier | None = Courier() if self._url else None
 
     async def check(self) -> tuple[list[Gap], list[tuple[str, str]]]:
         """One look: returns the gaps this call raised and the (instance, channel) it cleared."""
@@ -210,9 +214,10 @@ class GapWatcher:
     async def _announce(self, what: str, instance: str, text: str, **fields: Any) -> None:
         self._counters.incr(f"alert:gap:{what}")
         log.warning(f"channel gap {what}", instance=instance, message=text, **fields)
-        url = self._settings.gap_alert_webhook_url
-        if self._courier is not None and url:
-            result = await self._courier.send(f"gap!{instance}", url, chat_message(text), timeout_seconds=10)
+        if self._courier is not None and self._url:
+            result = await self._courier.send(
+                f"gap!{instance}", self._url, chat_message(text), timeout_seconds=10
+            )
             if result.status is not DeliveryStatus.DELIVERED:
                 self._counters.incr("alert:gap:failed")
                 log.warning("gap alert not delivered", error=result.error)
@@ -420,8 +425,10 @@ def store_families(
 class Metrics:
     """``GET /metrics``: one registry per scrape, filled from values read in one go."""
 
-    def __init__(self, inbox: PostgresInbox, counters: Counters, settings: Settings) -> None:
+    def __init__(self, inbox: PostgresInbox, counters: Counters, redis: Redis, settings: Settings) -> None:
         self._counters = counters
+        self._redis = redis
+        self._settings = settings
         self._stores = Cached(
             lambda: asyncio.gather(inbox_stats(inbox, settings), rabbitmq_status(settings)),
             settings.metrics_cache_seconds,
@@ -434,6 +441,7 @@ class Metrics:
             counter_families(counters, families)
             for name, doc in HISTOGRAMS.items():
                 families.items.append(histogram_family(name, doc, *await self._counters.read_histogram(name)))
+            await self._channel_families(families)
             redis_up = True
         except (RedisError, OSError) as exc:
             log.warning("metrics without counters, Redis unavailable", error=repr(exc))
@@ -443,3 +451,24 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Frozen(families.items))
         return generate_latest(registry), _EXPOSITION
+
+    async def _channel_families(self, families: Families) -> None:
+        """Per instance and channel: age of the last delivery, and whether a gap alert is raised."""
+        now = time.time()
+        last_seen = await self._counters.read_last_seen()
+        gaps = await raised_gaps(self._redis, self._settings)
+        age = families.gauge(
+            "channel_last_delivery_age_seconds",
+            "Seconds since the channel last delivered an event of the instance.",
+            ["instance", "channel"],
+        )
+        gap = families.gauge(
+            "channel_gap",
+            "1 while a gap alert is raised for the channel of the instance.",
+            ["instance", "channel"],
+        )
+        for instance, seen in sorted(last_seen.items()):
+            for channel in CHANNELS:
+                if channel in seen:
+                    age.add_metric([instance, channel], round(now - seen[channel], 3))
+                    gap.add_metric([instance, channel], 1 if channel in gaps.get(instance, {}) else 0)

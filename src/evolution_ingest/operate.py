@@ -73,7 +73,7 @@ class Operator:
         self._inbox = inbox
         self._counters = counters
         self._settings = settings
-        self.metrics = Metrics(inbox, counters, settings)
+        self.metrics = Metrics(inbox, counters, redis, settings)
         self.readiness = Readiness(inbox, redis, settings)
         self._redis = redis
         self._auth = (
