@@ -28,6 +28,10 @@ DEFAULT_HANDLER: Final = "evolution_ingest.handlers:log_summary"
 
 async def log_summary(event: Event) -> None:
     """The built-in handler: one log line per event, without its content or apikey."""
+    _log_event(event)
+
+
+def _log_event(event: Event, **extra: object) -> None:
     log.info(
         "event",
         event_name=event.event,
@@ -35,6 +39,7 @@ async def log_summary(event: Event) -> None:
         dedup_key=event.dedup_key,
         channel=event.channel.value,
         summary=summarize(event),
+        **extra,
     )
 
 
@@ -44,15 +49,7 @@ async def log_with_text(event: Event) -> None:
     Set ``EVOLUTION_INGEST_HANDLERS=evolution_ingest.handlers:log_with_text``. The ``apikey``
     is never logged, whatever the handler.
     """
-    log.info(
-        "event",
-        event_name=event.event,
-        instance=event.instance,
-        dedup_key=event.dedup_key,
-        channel=event.channel.value,
-        summary=summarize(event),
-        text=message_text(event),
-    )
+    _log_event(event, text=message_text(event))
 
 
 def message_text(event: Event) -> str | None:

@@ -30,7 +30,7 @@ async def drill(event: Event) -> None:
     global _trace  # noqa: PLW0603 - one trace file per process, opened on first use
     delay = float(os.environ.get("DRILL_DELAY", "0"))
     if delay:
-        await asyncio.sleep(random.uniform(0, delay))
+        await asyncio.sleep(random.uniform(0, delay))  # wait-ok: a handler that takes a while
     if random.random() < float(os.environ.get("DRILL_FAIL_RATE", "0")):
         raise RuntimeError("drill: failing on purpose")
     if _trace is None:
