@@ -147,6 +147,22 @@ async def test_metrics_move_with_each_channel_and_gauges_match_the_database(
         tier = service.worker.topology.tiers[0].queue
         assert (("evolution_ingest_queue_messages", (("queue", tier), ("role", "retry_tier")))) in samples
         assert value(samples, "evolution_ingest_queue_consumers", queue="parking", role="parking") == 0
+        for queue in service.worker.topology.source_queues:  # Evolution's queues, each consumed
+            assert value(samples, "evolution_ingest_queue_consumers", queue=queue, role="evolution") == 1
+
+        # Made older than RECONCILE_AFTER_SECONDS, the pending rows are stuck; given up on, failed.
+        await db.execute(
+            "UPDATE evolution_ingestion_events SET received_at = now() - interval '10 minutes' "
+            "WHERE processed_at IS NULL"
+        )
+        samples = await scrape(http, base)
+        assert value(samples, "evolution_ingest_inbox_stuck") == pending
+        assert 599 < value(samples, "evolution_ingest_inbox_oldest_pending_age_seconds") < 700
+        await db.execute("UPDATE evolution_ingestion_events SET failed_at = now() WHERE processed_at IS NULL")
+        samples = await scrape(http, base)
+        assert value(samples, "evolution_ingest_inbox_failed") == fails
+        assert value(samples, "evolution_ingest_inbox_pending") == 0
+        assert value(samples, "evolution_ingest_inbox_stuck") == 0
 
 
 async def test_end_to_end_latency_is_measured_from_evolutions_date_time(
