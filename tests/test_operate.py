@@ -105,6 +105,7 @@ async def test_metrics_move_with_each_channel_and_gauges_match_the_database(
         assert value(after_webhook, "evolution_ingest_events_received_total", channel="rabbitmq") == 0
         # Handler runs: one per processed event and one per failure.
         assert value(after_webhook, "evolution_ingest_handler_seconds_count") == UNIQUE
+        assert value(after_webhook, "evolution_ingest_webhook_seconds_count") == 20  # every call answered
         assert value(after_webhook, "evolution_ingest_handler_seconds_bucket", le="+Inf") == UNIQUE
 
         settings = runtime.settings

@@ -43,6 +43,7 @@ log = structlog.get_logger(__name__)
 NAMESPACE: Final = "evolution_ingest"
 CHANNELS: Final = ("webhook", "rabbitmq")
 HISTOGRAMS: Final = {
+    "webhook_seconds": "Time to answer a webhook call or a forward that reached the ingestion core.",
     "handler_seconds": "Time the business logic (all handlers) took per run.",
     "end_to_end_seconds": "From Evolution's date_time to processed_at.",
 }

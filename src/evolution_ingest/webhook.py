@@ -144,7 +144,9 @@ class WebhookApp:
             self._counters.incr(f"{channel}:errors")
             log.exception("unexpected error while ingesting", path=request.url.path)
             return _json(500, {"error": "internal error; the event was not acknowledged"})
-        duration_ms = round((time.perf_counter() - started) * 1000, 2)
+        elapsed = time.perf_counter() - started
+        self._counters.observe("webhook_seconds", elapsed)
+        duration_ms = round(elapsed * 1000, 2)
         getattr(log, self._outcome_level)(
             "outcome",
             outcome=result.outcome.value,
