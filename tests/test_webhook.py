@@ -407,3 +407,35 @@ async def test_a_url_suffix_and_a_get_are_handled(
         assert resp.status == 405
     async with http.get(url.replace("/api/internal/webhook", "/healthz")) as resp:
         assert resp.status == 200
+
+
+async def test_postgres_lost_between_the_logic_and_its_record_neither_fails_nor_repeats_it(
+    open_runtime: OpenRuntime, http: aiohttp.ClientSession, proxy_factory: Any, db: Any
+) -> None:
+    """The handler completes, then Postgres goes away for 2 s: the record waits for it,
+    holding the event's lease, and a copy arriving meanwhile is told "locked", not run again."""
+    proxy = await proxy_factory("127.0.0.1", 5432)
+    proxied = DATABASE_URL.replace(":5432/", f":{proxy.port}/")
+    recorder = Recorder()
+
+    async def cut_after_the_logic(event: Any) -> None:
+        await recorder(event)
+        proxy.cut()  # every pooled connection dies; the mark that follows cannot commit yet
+        asyncio.get_running_loop().call_later(2.0, proxy.restore)  # longer than a second or two
+
+    body = fixture("call_offer")["webhook_body"]
+    key = parse_envelope(body).dedup_key
+    async with (
+        open_runtime(cut_after_the_logic, database_url=proxied, lock_ttl_seconds=3.0) as runtime,
+        serving(runtime) as url,
+    ):
+        first = asyncio.create_task(post(http, url, body))
+        await wait_until(lambda: recorder.total == 1, message="the logic to run")
+        status, answer = await post(http, url, body)  # a retry while the record waits
+        # Postgres is away (503, retried later) or the copy is saved and locked: never run.
+        assert (status, answer.get("status")) in {(503, None), (200, "skipped")}
+        assert await first == (200, {"status": "processed", "dedup_key": key})
+    assert recorder.total == 1
+    (row,) = await rows(db)
+    assert row["processed_at"] is not None
+    assert row["attempts"] == 1

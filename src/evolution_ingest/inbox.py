@@ -8,6 +8,7 @@ lease) is what keeps business logic to once per event when Redis cannot help.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +41,9 @@ CONNECTION_ERRORS: Final = (
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.exceptions.InsufficientResourcesError,
+    # The client's own protocol state went wrong (seen when backends are terminated while
+    # statements run): the connection is dropped (see ``connection``) and the step retried.
+    asyncpg.exceptions.InternalClientError,
 )
 
 
@@ -217,8 +221,16 @@ class PostgresInbox:
         """A pooled connection; connection failures become :class:`StoreUnavailable`."""
         try:
             async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-                yield conn
+                try:
+                    yield conn
+                except asyncpg.exceptions.InternalClientError:
+                    conn.terminate()  # never hand a connection in a broken state to the next user
+                    raise
         except CONNECTION_ERRORS as exc:
+            # One dead connection usually means all of them (a restart, terminated backends):
+            # have every idle one replaced, so that the next tries do not draw them one by one.
+            with contextlib.suppress(Exception):
+                await self._pool.expire_connections()
             raise StoreUnavailable(f"Postgres unreachable: {exc!r}") from exc
 
     async def _batch(self, query: str, *args: Any) -> list[asyncpg.Record]:

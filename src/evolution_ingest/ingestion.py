@@ -50,7 +50,6 @@ log = structlog.get_logger(__name__)
 
 #: Counter prefix of forwarded calls (``already_saved``) in the webhook app.
 INTERNAL: Final = "internal"
-_MARK_RETRY_DELAYS: Final = (0.05, 0.25, 1.0)
 
 
 class Outcome(enum.StrEnum):
@@ -307,29 +306,34 @@ class Ingestion:
             id=row.id,
         )
         lease = self._lease(envelope.dedup_key, row.id, claim, lock_token)
-        started = time.perf_counter()
         try:
-            await self.pipeline.run(event)
-        except Exception as exc:  # handlers are user code: record, count, answer 5xx
-            error = f"{type(exc).__name__}: {exc}"
-            log.exception(
-                "handler failed", dedup_key=envelope.dedup_key, event_name=envelope.event,
-                instance=envelope.instance, attempt=row.attempts + 1,
-            )  # fmt: skip
+            started = time.perf_counter()
             try:
-                await self.inbox.record_failure(row.id, claim, error)
-            except StoreUnavailable as store_exc:
-                log.warning(
-                    "failure not recorded, Postgres unavailable",
-                    dedup_key=envelope.dedup_key,
-                    error=str(store_exc),
-                )
-            self.counters.incr(f"{name}:failed")
-            return Result(Outcome.FAILED, envelope.dedup_key, row.id, error)
+                await self.pipeline.run(event)
+            except Exception as exc:  # handlers are user code: record, count, answer 5xx
+                error = f"{type(exc).__name__}: {exc}"
+                log.exception(
+                    "handler failed", dedup_key=envelope.dedup_key, event_name=envelope.event,
+                    instance=envelope.instance, attempt=row.attempts + 1,
+                )  # fmt: skip
+                try:
+                    await self.inbox.record_failure(row.id, claim, error)
+                except StoreUnavailable as store_exc:
+                    log.warning(
+                        "failure not recorded, Postgres unavailable",
+                        dedup_key=envelope.dedup_key,
+                        error=str(store_exc),
+                    )
+                self.counters.incr(f"{name}:failed")
+                return Result(Outcome.FAILED, envelope.dedup_key, row.id, error)
+            finally:
+                self.counters.observe("handler_seconds", time.perf_counter() - started)
+            # The lease (claim and lock) holds until processed_at is committed: no other copy
+            # may start the logic again while a brief Postgres outage delays the record.
+            lease.recording = True
+            await self._mark_processed(row.id)
         finally:
-            self.counters.observe("handler_seconds", time.perf_counter() - started)
             await lease.stop()
-        await self._mark_processed(row.id)
         self.counters.incr(f"{name}:processed")
         self._observe_end_to_end(envelope.date_time)
         return Result(Outcome.PROCESSED, envelope.dedup_key, row.id)
@@ -345,14 +349,24 @@ class Ingestion:
         self.counters.observe("end_to_end_seconds", (datetime.now(UTC) - emitted).total_seconds())
 
     async def _mark_processed(self, row_id: int) -> None:
-        """Business logic ran: record it, riding out a brief Postgres outage."""
-        for delay in _MARK_RETRY_DELAYS:
+        """Business logic ran: record it, riding out a Postgres outage shorter than the lock TTL.
+
+        The lease keeps the event's claim and lock meanwhile; giving up earlier would let a
+        retry run the logic a second time although nothing crashed.
+        """
+        deadline = time.monotonic() + self.locks.lock_ttl
+        delay = 0.05
+        while True:
             try:
                 await self.inbox.mark_processed(row_id)
                 return
             except StoreUnavailable:
-                await asyncio.sleep(delay)
-        await self.inbox.mark_processed(row_id)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                log.warning("business logic ran; recording it again after a Postgres error", row_id=row_id)
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, 2.0)
 
     async def drain(self) -> None:
         """Wait for background bookkeeping (at shutdown)."""

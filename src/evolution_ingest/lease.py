@@ -40,6 +40,9 @@ class Lease:
         self._claim = claim
         self._lock_token = lock_token
         self._interval = claim.lease_seconds / 3
+        #: Set once business logic has completed: the lease only covers recording it now,
+        #: and a claim that ends meanwhile was ended by that record (processed_at is set).
+        self.recording = False
         self._task: asyncio.Task[None] | None = None
         self._timer = asyncio.get_running_loop().call_later(self._interval, self._start)
 
@@ -56,7 +59,7 @@ class Lease:
                         "claim not renewed, Postgres unavailable", dedup_key=self._key, error=str(exc)
                     )
                 else:
-                    if not kept:
+                    if not kept and not self.recording:
                         self._counters.incr("claim:lost")
                         log.error("claim lost while business logic runs", dedup_key=self._key)
             if self._lock_token is not None:

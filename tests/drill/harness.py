@@ -47,18 +47,25 @@ class Deployment:
         self.env.update(drill)
         self.env["DRILL_TRACE_DIR"] = str(trace_dir)
         self.env["PYTHONPATH"] = os.getcwd()
-        self.env["EVOLUTION_INGEST_LOG_LEVEL"] = "WARNING"
+        self.env["EVOLUTION_INGEST_LOG_LEVEL"] = os.environ.get("DRILL_LOG_LEVEL", "WARNING")
+        self.env["EVOLUTION_INGEST_LOG_FORMAT"] = "json"
+        self.trace_dir = trace_dir
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.starts = 0
 
     async def start(self, component: str) -> None:
-        self.procs[component] = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "evolution_ingest",
-            component,
-            env=self.env,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
+        """Start ``component``; its log goes to ``log-<component>-<n>.jsonl`` beside the traces."""
+        self.starts += 1
+        log_path = self.trace_dir / f"log-{component}-{self.port}-{self.starts}.jsonl"
+        with log_path.open("wb") as log_file:  # the child keeps its own descriptor
+            self.procs[component] = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "evolution_ingest",
+                component,
+                env=self.env,
+                stderr=log_file,
+            )
         if component == "serve":
             async with aiohttp.ClientSession() as http:
                 await wait_until(lambda: healthy(http, self.port), within=30, message="the webhook app")
