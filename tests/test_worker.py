@@ -24,6 +24,7 @@ from tests.support.evolution import (
     consumers,
     depth,
     remove,
+    restart_rabbitmq,
     take_all,
 )
 
@@ -460,7 +461,7 @@ async def test_a_rabbitmq_restart_while_messages_flow_loses_nothing(
             publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
             for body in bodies[: events // 2]:
                 await publisher.publish_global(body, "messages.upsert")
-        await _restart_rabbitmq()
+        await restart_rabbitmq(RABBITMQ_URL)
         await wait_until(service.worker.consuming.is_set, within=60, message="the worker consuming again")
         async with broker(RABBITMQ_URL) as (_, channel):
             publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
@@ -470,21 +471,3 @@ async def test_a_rabbitmq_restart_while_messages_flow_loses_nothing(
                 lambda: len(recorder.calls) == events, within=60, message="every event processed"
             )
     assert not recorder.doubled()
-
-
-async def _restart_rabbitmq() -> None:
-    """Restart the broker application (the node keeps running) and wait until it answers."""
-    for command in (["rabbitmqctl", "stop_app"], ["rabbitmqctl", "start_app"]):
-        proc = await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-        )
-        assert await asyncio.wait_for(proc.wait(), 120) == 0
-
-    async def answers() -> bool:
-        try:
-            async with broker(RABBITMQ_URL):
-                return True
-        except Exception:
-            return False
-
-    await wait_until(answers, within=60, message="RabbitMQ to answer again")

@@ -23,8 +23,7 @@ from evolution_ingest.topology import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.drill.conftest import EVENTS
 from tests.drill.harness import Count, Deployment, Evolution, deployed, replicas, send_all, settle
-from tests.support import wait_until
-from tests.support.evolution import broker, remove
+from tests.support.evolution import remove, restart_rabbitmq
 
 pytestmark = [pytest.mark.drill, pytest.mark.timeout(300)]
 
@@ -136,24 +135,11 @@ async def test_webhook_app_killed_in_the_middle_of_handlers(
 
 @pytest.mark.slow
 async def test_rabbitmq_restarted(settings: Settings, tmp_path: Path, uid: str, record: Any) -> None:
-    async def restart_rabbitmq(deployment: Deployment) -> None:
-        for command in (["rabbitmqctl", "stop_app"], ["rabbitmqctl", "start_app"]):
-            proc = await asyncio.create_subprocess_exec(
-                *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
-            )
-            assert await asyncio.wait_for(proc.wait(), 120) == 0
-
-        async def answers() -> bool:
-            try:
-                async with broker(RABBITMQ_URL):
-                    return True
-            except Exception:
-                return False
-
-        await wait_until(answers, within=60, message="RabbitMQ back")
+    async def restart(deployment: Deployment) -> None:
+        await restart_rabbitmq(RABBITMQ_URL)
 
     async with drill(settings, tmp_path, uid, DRILL_DELAY="0.1") as (deployment, evolution, trace):
-        count = await run(deployment, evolution, trace, restart_rabbitmq)
+        count = await run(deployment, evolution, trace, restart)
     check(count, record, "RabbitMQ restarted", evolution)
 
 

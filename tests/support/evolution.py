@@ -15,6 +15,7 @@ import orjson
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from evolution_ingest.topology import Topology, evolution_queue
+from tests.support import wait_until
 
 QUORUM = {"x-queue-type": "quorum"}
 
@@ -149,3 +150,21 @@ async def sweep_stale_queues(url: str) -> int:
         finally:
             await connection.close()
     return len(stale)
+
+
+async def restart_rabbitmq(url: str) -> None:
+    """Restart the broker application (the node keeps running) and wait until it answers."""
+    for command in (["rabbitmqctl", "stop_app"], ["rabbitmqctl", "start_app"]):
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+        assert await asyncio.wait_for(proc.wait(), 120) == 0
+
+    async def answers() -> bool:
+        try:
+            async with broker(url):
+                return True
+        except Exception:
+            return False
+
+    await wait_until(answers, within=60, message="RabbitMQ to answer again")
