@@ -294,6 +294,21 @@ def e2e(traced: Traced, sent: dict[str, float]) -> tuple[float, float]:
 # --- scenarios -----------------------------------------------------------------------------
 
 
+def _again_row(scenario: str, n: int, result: LoadResult, service: Running, note: str) -> Row:
+    """A row for events sent again: nothing new can be lost; any second run is a double."""
+    return Row(
+        scenario,
+        n,
+        result.rate,
+        result.percentile(50),
+        result.percentile(99),
+        rss=service.rss(),
+        lost=0,
+        doubled=Traced.read(service.iso.trace_dir).doubled(),
+        note=note,
+    )
+
+
 async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
     """Unique events, the same events again (in memory), and again after a restart (Redis)."""
     bodies, keys = workload(offset, n)
@@ -319,31 +334,23 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
             )
             again = await post_all(service.urls, bodies, 64, 300)
             report.rows.append(
-                Row(
+                _again_row(
                     "webhook only, every event again",
                     n,
-                    again.rate,
-                    again.percentile(50),
-                    again.percentile(99),
-                    rss=service.rss(),
-                    lost=0,
-                    doubled=Traced.read(iso.trace_dir).doubled(),
-                    note="answered from this process's memory",
+                    again,
+                    service,
+                    "answered from this process's memory",
                 )
             )
         async with running(iso, "up") as service:  # a fresh process: Redis markers answer
             redis_again = await post_all(service.urls, bodies, 64, 300)
             report.rows.append(
-                Row(
+                _again_row(
                     "webhook only, every event again, after a restart",
                     n,
-                    redis_again.rate,
-                    redis_again.percentile(50),
-                    redis_again.percentile(99),
-                    rss=service.rss(),
-                    lost=0,
-                    doubled=Traced.read(iso.trace_dir).doubled(),
-                    note="answered from Redis",
+                    redis_again,
+                    service,
+                    "answered from Redis",
                 )
             )
         report.checks.append(

@@ -447,11 +447,17 @@ class Metrics:
         except (RedisError, OSError) as exc:
             log.warning("metrics without counters, Redis unavailable", error=repr(exc))
             redis_up = False
-        inbox, rabbitmq = await self._stores.get()
+        inbox, rabbitmq = await self.stores()
         store_families(inbox, rabbitmq, redis_up, families)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Frozen(families.items))
         return generate_latest(registry), _EXPOSITION
+
+    async def stores(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Inbox figures and queue states, read at most every ``METRICS_CACHE_SECONDS``
+        (shared by ``/metrics`` and the dashboard)."""
+        inbox, rabbitmq = await self._stores.get()
+        return inbox, rabbitmq
 
     async def _channel_families(self, families: Families) -> None:
         """Per instance and channel: age of the last delivery, and whether a gap alert is raised."""

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from evolution_ingest.config import Settings
 from evolution_ingest.inbox import TABLE, PostgresInbox
-from evolution_ingest.inspection import inbox_stats, inspect, rabbitmq_status
+from evolution_ingest.inspection import inspect
 from evolution_ingest.metrics import Counters
 from evolution_ingest.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
 
@@ -135,9 +135,8 @@ class Operator:
         except Exception as exc:  # shown on the page: it must work when Redis is down
             data["redis_error"] = f"{type(exc).__name__}: {exc}"
         data["coverage"] = await coverage(self._inbox, self._counters, self._settings)
-        data["rabbitmq"] = await rabbitmq_status(self._settings)
         data["gap_after_seconds"] = self._settings.gap_alert_after_seconds
-        data["inbox"] = await inbox_stats(self._inbox, self._settings)
+        data["inbox"], data["rabbitmq"] = await self.metrics.stores()
         try:
             async with self._inbox.connection() as conn:
                 data["failures"] = [dict(row) for row in await conn.fetch(_FAILURES)]

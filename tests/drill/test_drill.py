@@ -104,29 +104,30 @@ def check(
     assert count.doubled <= doubles_allowed, f"{count.doubled} events processed twice"
 
 
+def killed_for_a_second(component: str) -> Fault:
+    """SIGKILL ``component``, leave it down for a second, start it again."""
+
+    async def fault(deployment: Deployment) -> None:
+        deployment.kill(component)
+        await asyncio.sleep(1.0)  # wait-ok: the component stays down for a second
+        await deployment.restart(component)
+
+    return fault
+
+
 async def test_worker_killed_in_the_middle_of_forwards(
     settings: Settings, tmp_path: Path, uid: str, record: Any
 ) -> None:
-    async def kill_worker(deployment: Deployment) -> None:
-        deployment.kill("worker")
-        await asyncio.sleep(1.0)  # wait-ok: the worker stays down for a second
-        await deployment.restart("worker")
-
     async with drill(settings, tmp_path, uid, DRILL_DELAY="0.2") as (deployment, evolution, trace):
-        count = await run(deployment, evolution, trace, kill_worker)
+        count = await run(deployment, evolution, trace, killed_for_a_second("worker"))
     check(count, record, "worker SIGKILLed mid-forwards, restarted", evolution)
 
 
 async def test_webhook_app_killed_in_the_middle_of_handlers(
     settings: Settings, tmp_path: Path, uid: str, record: Any
 ) -> None:
-    async def kill_webhook_app(deployment: Deployment) -> None:
-        deployment.kill("serve")
-        await asyncio.sleep(1.0)  # wait-ok: the webhook app stays down for a second
-        await deployment.restart("serve")
-
     async with drill(settings, tmp_path, uid, DRILL_DELAY="0.3") as (deployment, evolution, trace):
-        count = await run(deployment, evolution, trace, kill_webhook_app)
+        count = await run(deployment, evolution, trace, killed_for_a_second("serve"))
     # At most the handlers in flight at the kill can have completed without their processed_at.
     check(
         count, record, "webhook app SIGKILLed mid-handlers, restarted", evolution, doubles_allowed=int(RATE)
