@@ -136,6 +136,13 @@ def test_the_stored_body_drops_service_fields_only() -> None:
     assert envelope.body == fixture("qrcode_updated")["rabbitmq_body"]
 
 
+def _nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
@@ -148,7 +155,7 @@ def test_the_stored_body_drops_service_fields_only() -> None:
         ({"event": "", "instance": "a", "data": {}}, "'event' must be a non-empty string"),
         ({"event": "call", "instance": ["a"], "data": {}}, "'instance' must be a non-empty string"),
         ({"event": "call", "instance": "a", "data": {}, "date_time": 17}, "'date_time' must be a string"),
-        ({"event": "call", "instance": "a", "data": 2**70}, "not valid JSON"),
+        ({"event": "call", "instance": "a", "data": _nested(300)}, "nested more than 254 levels"),
     ],
 )
 def test_a_body_that_is_not_an_evolution_event_is_refused_with_a_reason(body: Any, reason: str) -> None:

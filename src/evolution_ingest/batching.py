@@ -9,6 +9,12 @@ grow by themselves and one commit serves many events.
 With a ``key``, a batch never holds two requests with the same key (a statement
 cannot update one row twice); a request whose key is already in the batch waits
 for the next one.
+
+One bad request never fails the others. When a batch fails with an error that
+``isolate`` says belongs to a row (bad data, a violated constraint), it is split in
+halves, run again half by half, until the request that causes it fails alone: its
+caller gets the error, every other caller the answer it would have had alone. The
+statement must be atomic (it is: one statement), so a failed try changed nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ class Batcher(Generic[T, R]):
         key: Callable[[T], Hashable] | None = None,
         max_size: int = 256,
         max_concurrency: int = 4,
+        isolate: Callable[[BaseException], bool] | None = None,
     ) -> None:
         self._execute = execute
+        self._isolate = isolate
         self._key = key
         self._max_size = max_size
         self._max_concurrency = max_concurrency
@@ -41,6 +49,8 @@ class Batcher(Generic[T, R]):
         #: Sizes of the batches run so far (for tests and benchmarks).
         self.batches = 0
         self.items = 0
+        #: Batches split to find the request that failed them.
+        self.splits = 0
 
     async def __call__(self, item: T) -> R:
         return await self.submit(item)
@@ -82,16 +92,7 @@ class Batcher(Generic[T, R]):
             if batch:
                 self.batches += 1
                 self.items += len(batch)
-                try:
-                    results = await self._execute([item for item, _ in batch])
-                except Exception as exc:  # every caller of this batch gets the failure
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                else:
-                    for (_, future), result in zip(batch, results, strict=True):
-                        if not future.done():
-                            future.set_result(result)
+                await self._settle(batch)
         except BaseException as exc:  # cancelled while running: nobody may wait forever
             for _, future in batch:
                 if not future.done():
@@ -102,6 +103,24 @@ class Batcher(Generic[T, R]):
         finally:
             self._running -= 1
             self._start()
+
+    async def _settle(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        try:
+            results = await self._execute([item for item, _ in batch])
+        except Exception as exc:
+            if len(batch) > 1 and self._isolate is not None and self._isolate(exc):
+                # The halves hold different keys: they can run at once without deadlocking.
+                self.splits += 1
+                middle = len(batch) // 2
+                await asyncio.gather(self._settle(batch[:middle]), self._settle(batch[middle:]))
+                return
+            for _, future in batch:  # a failure of the whole batch: every caller gets it
+                if not future.done():
+                    future.set_exception(exc)
+        else:
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
 
     async def drain(self) -> None:
         """Wait until everything submitted so far has run."""

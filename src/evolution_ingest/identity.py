@@ -19,17 +19,18 @@ Everything else in the body (``destination``, ``sender``, ``server_url``,
 
 Pure (no I/O): it is used on both channels and in tests alike. The canonical form
 is orjson's with sorted keys — about ten times faster than ``json.dumps`` for the
-same bytes, and hashing every copy of every event is on the hot path.
+same bytes, and hashing every copy of every event is on the hot path (see
+:mod:`evolution_ingest.codec` for the bodies orjson cannot write).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
+from evolution_ingest import codec
 
 #: Evolution's ``Events`` enum: enum name -> the name it puts in ``event``.
 EVENT_NAMES: Final[Mapping[str, str]] = {
@@ -93,9 +94,11 @@ _KEY_VERSION: Final = b"evolution-ingest/dedup/v1\n"
 class InvalidEvent(ValueError):
     """A body that is not an Evolution event; ``reason`` says why, for a 4xx answer."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, code: str = "not_an_event") -> None:
         super().__init__(reason)
         self.reason = reason
+        #: Short, stable name of the reason (kept with the refused body, counted).
+        self.code = code
 
 
 def normalize_event_name(name: str) -> str:
@@ -117,7 +120,7 @@ def webhook_suffix(event: str) -> str:
 
 def canonical_json(value: Any) -> bytes:
     """One byte string per JSON value, whatever its key order or whitespace."""
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    return codec.canonical(value)
 
 
 def dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
@@ -138,18 +141,25 @@ class Envelope:
     data: Any
     date_time: str | None
     dedup_key: str
-    #: The body as Evolution sent it, minus the fields this service adds.
+    #: The body as it is stored and shown: as Evolution sent it, minus the fields this
+    #: service adds, and with its secrets redacted (see :mod:`evolution_ingest.redaction`).
     body: dict[str, Any]
 
 
 #: Fields added by this service to forwarded bodies; stripped before storing.
 SERVICE_FIELDS: Final[frozenset[str]] = frozenset({"already_saved"})
+#: Evolution's errors webhook (``WEBHOOK_EVENTS_ERRORS_WEBHOOK``) reports errors of the server,
+#: not of an instance: its body has no ``instance``, which is then stored as "".
+ERROR_EVENT: Final = "error"
 
 
-def parse_envelope(body: object) -> Envelope:
+def parse_envelope(
+    body: object, redact: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> Envelope:
     """Check that ``body`` is an Evolution event and compute its identity.
 
-    Raises :class:`InvalidEvent` with a reason fit for a 400 answer.
+    The key is computed from the body as received; ``redact`` then makes the copy that is
+    stored. Raises :class:`InvalidEvent` with a reason fit for a 4xx answer.
     """
     if not isinstance(body, dict):
         raise InvalidEvent(f"body must be a JSON object, not {_json_type(body)}")
@@ -157,11 +167,13 @@ def parse_envelope(body: object) -> Envelope:
     instance = body.get("instance")
     if event is None:
         raise InvalidEvent("missing field 'event'")
-    if instance is None:
+    if instance is None and event == ERROR_EVENT:
+        instance = ""
+    elif instance is None:
         raise InvalidEvent("missing field 'instance'")
     if not isinstance(event, str) or not event.strip():
         raise InvalidEvent(f"field 'event' must be a non-empty string, not {_json_type(event)}")
-    if not isinstance(instance, str) or not instance.strip():
+    if not isinstance(instance, str) or not (instance.strip() or event == ERROR_EVENT):
         raise InvalidEvent(f"field 'instance' must be a non-empty string, not {_json_type(instance)}")
     if "data" not in body:
         raise InvalidEvent("missing field 'data'")
@@ -172,8 +184,10 @@ def parse_envelope(body: object) -> Envelope:
     stored = {k: v for k, v in body.items() if k not in SERVICE_FIELDS}
     try:
         key = dedup_key(event, instance, data, date_time)
-    except orjson.JSONEncodeError as exc:  # only from a caller's own object, never from parsed JSON
-        raise InvalidEvent(f"field 'data' is not valid JSON: {exc}") from exc
+    except codec.JsonRefused as exc:
+        raise InvalidEvent(f"field 'data' cannot be identified: {exc.reason}", code=exc.code) from None
+    if redact is not None:
+        stored = redact(stored)
     return Envelope(
         event=normalize_event_name(event),
         instance=instance,

@@ -9,7 +9,6 @@ lease) is what keeps business logic to once per event when Redis cannot help.
 from __future__ import annotations
 
 import contextlib
-import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,16 +19,13 @@ from typing import Any, Final
 import asyncpg
 import orjson
 
+from evolution_ingest import codec
 from evolution_ingest.batching import Batcher
 from evolution_ingest.events import Channel
 from evolution_ingest.identity import Envelope
 
 TABLE: Final = "evolution_ingestion_events"
 _MAX_ERROR_CHARS: Final = 4000
-
-# A NUL inside a JSON string (escaped as \u0000, after an even number of
-# backslashes) cannot be stored in jsonb; it is replaced by U+FFFD in the stored copy.
-_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 
 #: Errors meaning "Postgres is unreachable right now", as opposed to a bad statement.
 CONNECTION_ERRORS: Final = (
@@ -49,6 +45,26 @@ CONNECTION_ERRORS: Final = (
 
 class StoreUnavailable(Exception):
     """Postgres cannot be reached; the caller answers 503 or retries later."""
+
+
+class RowRejected(Exception):
+    """Postgres refused this one event's row (its data, not the connection): a 4xx, never a retry."""
+
+    def __init__(self, reason: str, code: str = "unstorable") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+#: SQLSTATE classes of errors caused by a row's values: data exception, integrity
+#: constraint violation, program limit exceeded (an index entry too large).
+_ROW_LEVEL_CLASSES: Final = frozenset({"22", "23", "54"})
+
+
+def row_level(exc: BaseException) -> bool:
+    """True when a batch statement failed because of (at least) one of its rows."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    return isinstance(exc, asyncpg.PostgresError) and str(sqlstate or "")[:2] in _ROW_LEVEL_CLASSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +94,6 @@ class SavedRow:
     inserted: bool = False
 
 
-def serialize_payload(body: dict[str, Any]) -> str:
-    text = orjson.dumps(body).decode()
-    if "\\u0000" in text:
-        text = _NUL_ESCAPE.sub(r"\1\\ufffd", text)
-    return text
-
-
 _CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_until < now()))"
 
 # Every batch locks its rows in dedup_key order, whatever the statement: two batches
@@ -92,15 +101,16 @@ _CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_
 
 _SAVE = f"""
 INSERT INTO {TABLE} AS e
-    (dedup_key, event, instance, channel, payload,
+    (dedup_key, event, instance, channel, payload, payload_text,
      webhook_seen_at, rabbitmq_seen_at, claim_token, claimed_until)
-SELECT u.key, u.event, u.instance, u.channel, u.payload::jsonb,
+SELECT u.key, u.event, u.instance, u.channel, u.payload::jsonb, u.payload_text,
        CASE WHEN u.channel = 'WEBHOOK' THEN now() END,
        CASE WHEN u.channel = 'RABBITMQ' THEN now() END,
        u.token,
        CASE WHEN u.token IS NOT NULL THEN now() + make_interval(secs => u.lease) END
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::uuid[], $7::float8[])
-     AS u(key, event, instance, channel, payload, token, lease)
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::uuid[],
+            $8::float8[])
+     AS u(key, event, instance, channel, payload, payload_text, token, lease)
 ON CONFLICT (dedup_key) DO UPDATE SET
     webhook_seen_at  = COALESCE(e.webhook_seen_at, EXCLUDED.webhook_seen_at),
     rabbitmq_seen_at = COALESCE(e.rabbitmq_seen_at, EXCLUDED.rabbitmq_seen_at),
@@ -166,6 +176,7 @@ class _Save:
     envelope: Envelope
     channel: Channel
     claim: Claim | None
+    stored: codec.StoredJson
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,16 +211,23 @@ class PostgresInbox:
         self._pool = pool
         self._acquire_timeout = acquire_timeout
         self._saves: Batcher[_Save, SavedRow] = Batcher(
-            self._save_batch, key=lambda s: s.envelope.dedup_key, max_concurrency=batch_concurrency
+            self._save_batch,
+            key=lambda s: s.envelope.dedup_key,
+            max_concurrency=batch_concurrency,
+            isolate=row_level,
         )
         self._claims: Batcher[tuple[str, Claim], SavedRow | None] = Batcher(
-            self._claim_batch, key=lambda c: c[0], max_concurrency=batch_concurrency
+            self._claim_batch, key=lambda c: c[0], max_concurrency=batch_concurrency, isolate=row_level
         )
         self._marks: Batcher[int, bool] = Batcher(
-            self._mark_batch, key=lambda i: i, max_concurrency=batch_concurrency
+            self._mark_batch, key=lambda i: i, max_concurrency=batch_concurrency, isolate=row_level
         )
         self._seen: Batcher[_Seen, None] = Batcher(
-            self._seen_batch, key=lambda s: (s.dedup_key, s.channel), max_size=1000, max_concurrency=1
+            self._seen_batch,
+            key=lambda s: (s.dedup_key, s.channel),
+            max_size=1000,
+            max_concurrency=1,
+            isolate=row_level,
         )
 
     @property
@@ -246,18 +264,32 @@ class PostgresInbox:
 
     # --- saving (INSERT ... ON CONFLICT), maybe claiming ------------------------------------
     async def save(self, envelope: Envelope, channel: Channel, claim: Claim | None) -> SavedRow:
-        """Save the raw event (or record that ``channel`` saw it too); maybe claim it."""
-        return await self._saves(_Save(envelope, channel, claim))
+        """Save the raw event (or record that ``channel`` saw it too); maybe claim it.
+
+        :class:`RowRejected` when this event cannot be stored (the events saved with it are not
+        affected); :class:`StoreUnavailable` when Postgres cannot be reached.
+        """
+        try:  # serialized here, by the caller's task: a body that cannot be written fails alone
+            stored = codec.for_storage(envelope.body)
+        except codec.JsonRefused as exc:
+            raise RowRejected(exc.reason, exc.code) from None
+        try:
+            return await self._saves(_Save(envelope, channel, claim, stored))
+        except asyncpg.PostgresError as exc:
+            if row_level(exc):
+                raise RowRejected(f"Postgres cannot store this event: {exc}") from exc
+            raise
 
     async def _save_batch(self, saves: list[_Save]) -> list[SavedRow]:
         ordered = sorted(saves, key=lambda s: s.envelope.dedup_key)
         records = await self._batch(
             _SAVE,
             [s.envelope.dedup_key for s in ordered],
-            [s.envelope.event for s in ordered],
-            [s.envelope.instance for s in ordered],
+            [codec.label(s.envelope.event) for s in ordered],
+            [codec.label(s.envelope.instance) for s in ordered],
             [s.channel.value for s in ordered],
-            [serialize_payload(s.envelope.body) for s in ordered],
+            [s.stored.jsonb for s in ordered],
+            [s.stored.exact for s in ordered],
             [s.claim.token if s.claim else None for s in ordered],
             [s.claim.lease_seconds if s.claim else 0.0 for s in ordered],
         )
@@ -308,7 +340,7 @@ class PostgresInbox:
     async def record_failure(self, row_id: int, claim: Claim, error: str) -> None:
         """Count a failed attempt, keep its error, and give the claim back."""
         async with self.connection() as conn:
-            await conn.execute(_RECORD_FAILURE, row_id, error[:_MAX_ERROR_CHARS], claim.token)
+            await conn.execute(_RECORD_FAILURE, row_id, codec.label(error[:_MAX_ERROR_CHARS]), claim.token)
 
     async def fetch(self, dedup_key: str) -> dict[str, Any] | None:
         """The whole row for a key (tests and ``inspect``)."""
