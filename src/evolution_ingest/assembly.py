@@ -132,8 +132,8 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
     async with Runtime.open(settings) as runtime:
         components: dict[str, Component] = {}
         if webhook:
-            operator = Operator(runtime.inbox, runtime.counters, runtime.redis, settings)
-            app = create_app(runtime.ingestion, settings, operator.routes())
+            operator = Operator(runtime.inbox, runtime.counters, runtime.redis, settings, runtime.refusals)
+            app = create_app(runtime.ingestion, settings, runtime.refusals, operator.routes())
             components["webhook"] = webhook_component(app, settings)
             log.info("webhook app starting", host=settings.host, port=settings.port)
         if not (worker or reconciler):
@@ -141,7 +141,10 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
         async with forwarder(settings, runtime if webhook else None) as sender:
             if worker:
                 components["worker"] = Worker(
-                    ingestion=runtime.ingestion, forwarder=sender, settings=settings
+                    ingestion=runtime.ingestion,
+                    forwarder=sender,
+                    settings=settings,
+                    refusals=runtime.refusals,
                 ).run
             if reconciler:
                 components["reconciler"] = build_reconciler(runtime, sender).run

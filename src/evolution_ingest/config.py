@@ -122,6 +122,12 @@ class Settings(BaseSettings):
     webhook_apikeys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     #: Run migrations when ``serve`` starts (``up`` always does).
     migrate_on_start: bool = False
+    #: Keep the instance ``apikey`` in stored bodies (and so in ``Event.payload``); off by default.
+    keep_apikey: bool = False
+    #: Refused bodies are kept (for ``status``, ``inspect``, ``replay --refused``) up to this size.
+    refusal_max_bytes: int = Field(default=256 * 1024, ge=1024)
+    #: How many refused bodies are kept; the oldest are dropped past it.
+    refusals_keep: int = Field(default=10_000, ge=1)
 
     # --- the RabbitMQ channel ----------------------------------------------------------
     rabbitmq_mode: RabbitMode = RabbitMode.GLOBAL
@@ -332,6 +338,14 @@ class Settings(BaseSettings):
     @property
     def auth_methods(self) -> frozenset[WebhookAuth]:
         return frozenset(WebhookAuth(mode) for mode in self.webhook_auth) - {WebhookAuth.NONE}
+
+    @property
+    def own_secrets(self) -> list[str]:
+        """Secrets of this service that must never appear in what it keeps, shows or sends."""
+        found = (self.webhook_token, self.webhook_jwt_key, self.internal_secret)
+        return [
+            secret.get_secret_value() for secret in found if secret is not None and secret.get_secret_value()
+        ]
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:

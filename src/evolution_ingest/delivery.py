@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
-import orjson
 
+from evolution_ingest import codec
 from evolution_ingest.inbox import PostgresInbox
 
 DELIVERIES: Final = "evolution_ingest_deliveries"
@@ -82,7 +82,7 @@ class DeliveryLog:
                 [r.destination for r in results],
                 [r.status.value for r in results],
                 [r.http_status for r in results],
-                [(r.error or "")[:_MAX_ERROR] or None for r in results],
+                [codec.label((r.error or "")[:_MAX_ERROR]) or None for r in results],
             )
 
     async def of(self, event_id: int) -> list[dict[str, Any]]:
@@ -128,7 +128,7 @@ class Courier:
             async with self._session.request(
                 method,
                 url,
-                data=orjson.dumps(body),
+                data=codec.dumps(body),
                 headers={"content-type": "application/json", **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=timeout_seconds),
                 allow_redirects=False,

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
-import orjson
 
+from evolution_ingest import codec
 from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
 from evolution_ingest.identity import Envelope
 from evolution_ingest.inbox import StoreUnavailable
@@ -77,7 +77,7 @@ class HttpForwarder:
 
     async def forward(self, envelope: Envelope) -> ForwardResult:
         """Send a saved event (its body, and its inbox row's key) to the webhook app."""
-        payload = orjson.dumps({**envelope.body, "already_saved": True})
+        payload = codec.dumps({**envelope.body, "already_saved": True})
         headers = {**self._headers, DEDUP_KEY_HEADER: envelope.dedup_key}
         try:
             async with self._session.post(self._url, data=payload, headers=headers) as response:
@@ -88,8 +88,8 @@ class HttpForwarder:
         except (aiohttp.ClientError, OSError) as exc:
             return ForwardResult(Delivery.FAILED, None, f"{type(exc).__name__}: {exc}"[:1000])
         try:
-            answer = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            answer = codec.loads(raw)
+        except codec.JsonRefused:
             answer = raw[:200].decode(errors="replace")
         return classify(status, answer)
 

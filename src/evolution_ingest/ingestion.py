@@ -38,13 +38,15 @@ from typing import Final
 
 import structlog
 
+from evolution_ingest import codec
 from evolution_ingest.events import Channel, Event
 from evolution_ingest.handlers import HandlerPipeline
-from evolution_ingest.identity import Envelope
+from evolution_ingest.identity import Envelope, parse_envelope
 from evolution_ingest.inbox import Claim, PostgresInbox, SavedRow, StoreUnavailable
 from evolution_ingest.lease import Lease
 from evolution_ingest.locks import PROCESSED, Probe, RedisLocks
 from evolution_ingest.metrics import Counters
+from evolution_ingest.redaction import Redactor
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +111,7 @@ class Ingestion:
         locks: RedisLocks,
         pipeline: HandlerPipeline,
         counters: Counters,
+        redactor: Redactor | None = None,
         busy_wait_seconds: float = 5.0,
         evolution_timezone: tzinfo = UTC,
     ) -> None:
@@ -116,18 +119,30 @@ class Ingestion:
         self.locks = locks
         self.pipeline = pipeline
         self.counters = counters
+        self.redactor = redactor or Redactor()
         self._busy_wait = busy_wait_seconds
         self._evolution_tz = evolution_timezone
         #: Events whose business logic runs in this process: True once processed.
         self._running: dict[str, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[None]] = set()
 
+    def envelope(self, body: object) -> Envelope:
+        """An Evolution body checked and identified, with the copy to store redacted.
+
+        Raises :class:`~evolution_ingest.identity.InvalidEvent`.
+        """
+        return parse_envelope(body, self.redactor.body)
+
+    def _delivered(self, name: str, envelope: Envelope) -> None:
+        self.counters.incr(f"{name}:received")
+        if envelope.instance:
+            self.counters.delivered(name, codec.label(envelope.instance))
+
     # --- external webhook -------------------------------------------------------------
     async def receive(self, envelope: Envelope, channel: Channel = Channel.WEBHOOK) -> Result:
         """Save a copy from Evolution and run business logic unless done or underway."""
         name, key = _prefix(channel), envelope.dedup_key
-        self.counters.incr(f"{name}:received")
-        self.counters.delivered(name, envelope.instance)
+        self._delivered(name, envelope)
         token = uuid.uuid4()
         probe = await self._probe(name, key, str(token), channel)
         if probe.processed:
@@ -161,8 +176,7 @@ class Ingestion:
     async def hold(self, envelope: Envelope, channel: Channel = Channel.RABBITMQ) -> AsyncIterator[Hold]:
         """Save a copy and, when it still needs business logic, hold the lock while forwarding."""
         name, key = _prefix(channel), envelope.dedup_key
-        self.counters.incr(f"{name}:received")
-        self.counters.delivered(name, envelope.instance)
+        self._delivered(name, envelope)
         token = str(uuid.uuid4())
         probe = await self._probe(name, key, token, channel)
         if probe.busy and await self._finished_here(key):

@@ -31,6 +31,7 @@ from typing import Any, Final
 import asyncpg
 import structlog
 
+from evolution_ingest import codec
 from evolution_ingest.config import Settings
 from evolution_ingest.forward import Delivery, Forwarder
 from evolution_ingest.identity import InvalidEvent, parse_envelope
@@ -44,7 +45,7 @@ _NAME: Final = "reconciler"
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 _STUCK: Final = f"""
-SELECT id, dedup_key, payload, attempts, received_at FROM {TABLE}
+SELECT id, dedup_key, payload, payload_text, attempts, received_at FROM {TABLE}
 WHERE processed_at IS NULL AND failed_at IS NULL
   AND received_at < now() - make_interval(secs => $1)
   AND (claimed_until IS NULL OR claimed_until < now())
@@ -75,9 +76,8 @@ class InboxRow:
 
     @classmethod
     def of(cls, record: asyncpg.Record) -> InboxRow:
-        return cls(
-            record["id"], record["dedup_key"], record["payload"], record["attempts"], record["received_at"]
-        )
+        payload = codec.from_storage(record["payload"], record["payload_text"])
+        return cls(record["id"], record["dedup_key"], payload, record["attempts"], record["received_at"])
 
 
 class Resent(enum.StrEnum):

@@ -15,12 +15,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from evolution_ingest import migrations
-from evolution_ingest.config import Settings
+from evolution_ingest.config import ENV_PREFIX, ConfigError, Settings
 from evolution_ingest.handlers import HandlerPipeline
 from evolution_ingest.inbox import PostgresInbox, create_pool
 from evolution_ingest.ingestion import Ingestion
 from evolution_ingest.locks import RedisLocks
 from evolution_ingest.metrics import Counters
+from evolution_ingest.redaction import Redactor
+from evolution_ingest.refusals import RefusalLog
 from evolution_ingest.routes import load_routes
 from evolution_ingest.routing import Router
 
@@ -47,6 +49,7 @@ class Runtime:
     locks: RedisLocks
     counters: Counters
     ingestion: Ingestion
+    refusals: RefusalLog
     router: Router | None = None
 
     @classmethod
@@ -60,6 +63,13 @@ class Runtime:
         configured handlers). A wrong routes file raises ``ConfigError`` before anything opens.
         """
         routes = load_routes(settings.routes_file) if settings.routes_file else None
+        if routes is not None and not settings.keep_apikey:
+            keeping = [r.name for r in routes.routes if any(d.include_apikey for d in r.forward)]
+            if keeping:
+                raise ConfigError(
+                    f"{ENV_PREFIX}ROUTES_FILE: route(s) {', '.join(keeping)} set include_apikey, but the "
+                    f"apikey is not kept: set {ENV_PREFIX}KEEP_APIKEY=true to store and forward it"
+                )
         pipeline = pipeline or HandlerPipeline.from_specs(settings.handlers, default=routes is None)
         pool = await create_pool(
             settings.database_url,
@@ -84,6 +94,10 @@ class Runtime:
             acquire_timeout=settings.database_timeout_seconds,
             batch_concurrency=settings.database_batch_concurrency,
         )
+        redactor = Redactor(secrets=settings.own_secrets, keep_apikey=settings.keep_apikey)
+        refusals = RefusalLog(
+            inbox, redactor, counters, max_bytes=settings.refusal_max_bytes, keep=settings.refusals_keep
+        )
         router = None
         if routes is not None:
             router = Router(
@@ -95,12 +109,13 @@ class Runtime:
             locks=locks,
             pipeline=pipeline,
             counters=counters,
+            redactor=redactor,
             busy_wait_seconds=settings.lock_busy_wait_seconds,
             evolution_timezone=ZoneInfo(settings.evolution_timezone),
         )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:
-            yield cls(settings, inbox, redis, locks, counters, ingestion, router)
+            yield cls(settings, inbox, redis, locks, counters, ingestion, refusals, router)
         finally:
             await ingestion.drain()
             log.info("group commit", events_per_statement=inbox.batch_sizes())

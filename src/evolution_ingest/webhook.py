@@ -7,11 +7,14 @@ Routes (Evolution's "webhook by events" appends ``/<event-suffix>``)::
     GET  /healthz                  (the process is alive)
     GET  /readyz, /metrics, /dashboard   (see evolution_ingest.operate)
 
-Status codes: 200 processed or skipped (with the reason); 400 malformed JSON or
-not an Evolution event; 401 refused (Evolution does not retry it, so it is
-counted and logged loudly); 409 a forward for an event with no inbox row; 413
-too large; 500 a handler failed (the event stays saved and will be retried);
-503 Postgres unreachable, with ``Retry-After`` (Evolution retries 5xx).
+Status codes (Evolution retries everything but 400, 401, 403, 404 and 422): 200
+processed or skipped (with the reason); 400 malformed JSON or not an Evolution event;
+401 refused (no or wrong credentials); 422 an event that can never be accepted (too
+large, too many keys, nested too deeply, a row Postgres cannot store); 409 a forward
+for an event with no inbox row; 500 a handler failed (the event stays saved and will
+be retried); 503 Postgres unreachable, with ``Retry-After``. Every 4xx but 409 keeps
+the refused body (:mod:`evolution_ingest.refusals`) before it is answered: when that
+cannot be written, the answer is 503 so that Evolution sends the body again.
 """
 
 from __future__ import annotations
@@ -23,19 +26,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER, EvolutionAuth, internal_refusal
-from evolution_ingest.body import BodyRejected, load_body
+from evolution_ingest import codec
+from evolution_ingest.auth import (
+    DEDUP_KEY_HEADER,
+    INTERNAL_SECRET_HEADER,
+    JWT_MIN_KEY_BYTES,
+    EvolutionAuth,
+    internal_refusal,
+)
+from evolution_ingest.body import BodyRejected, load_body, too_large
 from evolution_ingest.config import Settings
-from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
-from evolution_ingest.inbox import StoreUnavailable
+from evolution_ingest.identity import Envelope, InvalidEvent
+from evolution_ingest.inbox import RowRejected, StoreUnavailable
 from evolution_ingest.ingestion import INTERNAL, Ingestion, Outcome, Result
+from evolution_ingest.refusals import Refusal, RefusalLog
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +54,23 @@ _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 _CHANNEL: Final = "webhook"
 
 
+#: Codes of bodies that parse and are events, but can never be accepted: 422.
+_UNACCEPTABLE: Final = frozenset({"too_deep", "unstorable"})
+
+
 class _Refused(Exception):
     """A call answered with a 4xx; ``counter`` says which counter it moves."""
 
-    def __init__(self, status: int, reason: str, counter: str = f"{_CHANNEL}:rejected") -> None:
+    def __init__(
+        self, status: int, reason: str, code: str, counter: str = f"{_CHANNEL}:rejected", raw: bytes = b""
+    ) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.code = code
         self.counter = counter
+        #: The body as received (its first REFUSAL_MAX_BYTES when it was too large).
+        self.raw = raw
 
 
 class JsonAnswer:
@@ -63,7 +82,7 @@ class JsonAnswer:
         self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
     ) -> None:
         self.status = status
-        self.body = orjson.dumps(payload)
+        self.body = codec.dumps(payload)
         self.headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(self.body)).encode()),
@@ -89,7 +108,7 @@ def _is_forward(body: Any) -> bool:
     if not isinstance(body, dict) or "already_saved" not in body:
         return False
     if not isinstance(body["already_saved"], bool):
-        raise _Refused(400, "field 'already_saved' must be a boolean")
+        raise _Refused(400, "field 'already_saved' must be a boolean", "bad_forward")
     return body["already_saved"]
 
 
@@ -98,16 +117,19 @@ def _keyed(envelope: Envelope, key: str | None) -> Envelope:
     if key is None:
         return envelope
     if not _HEX64.fullmatch(key):
-        raise _Refused(400, f"{DEDUP_KEY_HEADER} must be 64 lowercase hex characters")
+        raise _Refused(400, f"{DEDUP_KEY_HEADER} must be 64 lowercase hex characters", "bad_forward")
     return dataclasses.replace(envelope, dedup_key=key)
 
 
 class WebhookApp:
     """Request handling, with its resources passed in."""
 
-    def __init__(self, ingestion: Ingestion, settings: Settings) -> None:
+    def __init__(self, ingestion: Ingestion, settings: Settings, refusals: RefusalLog) -> None:
         self._ingestion = ingestion
         self._counters = ingestion.counters
+        self._refusals = refusals
+        self._redact_url = ingestion.redactor.url
+        self._keep_bytes = settings.refusal_max_bytes
         self._auth = EvolutionAuth(settings)
         self._secret = settings.internal_secret.get_secret_value() if settings.internal_secret else None
         self._max_body = settings.max_body_bytes
@@ -116,37 +138,36 @@ class WebhookApp:
         self._outcome_level = "info" if settings.log_outcomes else "debug"
 
     async def receive(self, request: Request) -> JsonAnswer:
+        try:
+            return await self._receive(request)
+        except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
+            self._counters.incr(f"{_CHANNEL}:errors")
+            log.exception("unexpected error while ingesting", path=self._redact_url(request.url.path))
+            return _json(500, {"error": "internal error; the event was not acknowledged"})
+
+    async def _receive(self, request: Request) -> JsonAnswer:
         started = time.perf_counter()
         channel = _CHANNEL
+        raw = b""
         try:
-            call = await self._read(request)
+            raw = await self._body(request)
+            call = self._read(request, raw)
             channel = INTERNAL if call.internal else _CHANNEL
-            if call.internal:
-                result = await self._ingestion.process_saved(call.envelope)
-            else:
-                result = await self._ingestion.receive(call.envelope)
+            try:
+                if call.internal:
+                    result = await self._ingestion.process_saved(call.envelope)
+                else:
+                    result = await self._ingestion.receive(call.envelope)
+            except RowRejected as exc:
+                raise _Refused(422, exc.reason, exc.code, raw=raw) from None
         except _Refused as refused:
-            self._counters.incr(refused.counter)
-            level = log.warning if refused.status == 401 else log.info
-            level("call refused", status=refused.status, reason=refused.reason, path=request.url.path)
-            return _json(refused.status, {"error": refused.reason})
+            return await self._refuse(refused, request, raw or refused.raw)
         except StoreUnavailable as exc:
-            self._counters.incr(f"{channel}:unavailable")
-            log.warning("answering 503, Postgres unavailable", error=str(exc))
-            return _json(
-                503,
-                {"error": "Postgres unavailable; retry later"},
-                {"Retry-After": self._retry_after},
-            )
+            return self._unavailable(channel, exc)
         except ClientDisconnect:
             return _json(400, {"error": "the client went away"})
-        except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
-            self._counters.incr(f"{channel}:errors")
-            log.exception("unexpected error while ingesting", path=request.url.path)
-            return _json(500, {"error": "internal error; the event was not acknowledged"})
         elapsed = time.perf_counter() - started
         self._counters.observe("webhook_seconds", elapsed)
-        duration_ms = round(elapsed * 1000, 2)
         getattr(log, self._outcome_level)(
             "outcome",
             outcome=result.outcome.value,
@@ -154,44 +175,82 @@ class WebhookApp:
             instance=call.envelope.instance,
             dedup_key=result.dedup_key,
             channel=channel,
-            duration_ms=duration_ms,
+            duration_ms=round(elapsed * 1000, 2),
         )
         return self._answer(result)
 
-    async def _read(self, request: Request) -> _Call:
-        body = await self._body(request)
+    def _unavailable(self, channel: str, exc: StoreUnavailable) -> JsonAnswer:
+        self._counters.incr(f"{channel}:unavailable")
+        log.warning("answering 503, Postgres unavailable", error=str(exc))
+        return _json(503, {"error": "Postgres unavailable; retry later"}, {"Retry-After": self._retry_after})
+
+    async def _refuse(self, refused: _Refused, request: Request, raw: bytes) -> JsonAnswer:
+        """Keep the refused body, then answer the 4xx; 503 if it cannot be kept (Evolution retries)."""
+        path = self._redact_url(request.url.path)
+        try:
+            refusal_id = await self._refusals.record(
+                Refusal(_CHANNEL, refused.code, refused.reason, raw, refused.status, path)
+            )
+        except StoreUnavailable as exc:
+            log.warning("refusal not recorded; answering 503 so the body comes back", reason=refused.reason)
+            return self._unavailable(_CHANNEL, exc)
+        self._counters.incr(refused.counter)
+        level = log.warning if refused.status in {401, 422} else log.info
+        level(
+            "call refused", status=refused.status, code=refused.code, reason=refused.reason, path=path,
+            refusal_id=refusal_id,
+        )  # fmt: skip
+        return _json(
+            refused.status, {"error": refused.reason, "code": refused.code, "refusal_id": refusal_id}
+        )
+
+    def _read(self, request: Request, raw: bytes) -> _Call:
+        try:
+            body = load_body(raw, max_bytes=self._max_body, max_keys=self._max_keys)
+        except BodyRejected as exc:
+            raise _Refused(exc.status, exc.reason, exc.code) from None
         internal = _is_forward(body)
         if internal:
             refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
             if refusal:
-                raise _Refused(401, refusal, f"{INTERNAL}:unauthorized")
+                raise _Refused(401, refusal, "unauthorized", f"{INTERNAL}:unauthorized")
         try:
-            envelope = parse_envelope(body)
+            envelope = self._ingestion.envelope(body)
         except InvalidEvent as exc:
-            raise _Refused(400, exc.reason) from None
+            raise _Refused(422 if exc.code in _UNACCEPTABLE else 400, exc.reason, exc.code) from None
         if internal:
             return _Call(_keyed(envelope, request.headers.get(DEDUP_KEY_HEADER)), internal=True)
         if self._auth.enabled:
             refusal = self._auth.refusal(
                 headers=request.headers,
                 url_token=request.path_params.get("token") or request.query_params.get("token"),
-                body=envelope.body,
+                body=body,
             )
             if refusal:
-                raise _Refused(401, refusal, f"{_CHANNEL}:unauthorized")
+                raise _Refused(401, refusal, "unauthorized", f"{_CHANNEL}:unauthorized")
         return _Call(envelope, internal=False)
 
-    def _too_large(self) -> _Refused:
-        return _Refused(413, f"body larger than {self._max_body} bytes")
+    async def _too_large(self, request: Request, chunks: list[bytes]) -> _Refused:
+        """Refuse a body over the limit, keeping (up to REFUSAL_MAX_BYTES of) it for the operator."""
+        kept = b"".join(chunks)
+        while len(kept) <= self._keep_bytes:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                break
+            kept += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        rejected = too_large(self._max_body)
+        return _Refused(rejected.status, rejected.reason, rejected.code, raw=kept[: self._keep_bytes + 1])
 
-    async def _body(self, request: Request) -> Any:
-        """The parsed body, read within the size limit (declared or streamed).
+    async def _body(self, request: Request) -> bytes:
+        """The raw body, read within the size limit (declared or streamed).
 
         Read straight from the ASGI channel: this runs for every event.
         """
         for name, value in request.scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
-                raise self._too_large()
+                raise await self._too_large(request, [])
         chunks = []
         size = 0
         while True:
@@ -200,19 +259,12 @@ class WebhookApp:
                 raise ClientDisconnect
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self._max_body:
-                raise self._too_large()
             chunks.append(chunk)
+            if size > self._max_body:
+                raise await self._too_large(request, chunks)
             if not message.get("more_body", False):
                 break
-        try:
-            return load_body(
-                chunks[0] if len(chunks) == 1 else b"".join(chunks),
-                max_bytes=self._max_body,
-                max_keys=self._max_keys,
-            )
-        except BodyRejected as exc:
-            raise _Refused(exc.status, exc.reason) from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _answer(self, result: Result) -> JsonAnswer:
         key = result.dedup_key
@@ -281,14 +333,24 @@ def webhook_path_params(path: str) -> dict[str, str] | None:
 
 
 def create_app(
-    ingestion: Ingestion, settings: Settings, operator_routes: Sequence[BaseRoute] = ()
+    ingestion: Ingestion,
+    settings: Settings,
+    refusals: RefusalLog,
+    operator_routes: Sequence[BaseRoute] = (),
 ) -> IngestApp:
     """The ASGI app; ``ingestion`` (and its connections) belong to the caller.
 
     ``operator_routes``: ``/metrics``, ``/readyz`` and ``/dashboard`` (see :mod:`evolution_ingest.operate`).
     """
-    webhook = WebhookApp(ingestion, settings)
-    if not EvolutionAuth(settings).enabled:
+    webhook = WebhookApp(ingestion, settings, refusals)
+    auth = EvolutionAuth(settings)
+    if auth.weak_jwt_key:
+        log.warning(
+            "EVOLUTION_INGEST_WEBHOOK_JWT_KEY is shorter than 32 bytes: HS256 tokens signed with it are "
+            "easier to forge; use a longer jwt_key on both sides",
+            minimum_bytes=JWT_MIN_KEY_BYTES,
+        )
+    if not auth.enabled:
         log.warning(
             "webhook authentication is off: anyone who can reach this port can inject events; "
             "set EVOLUTION_INGEST_WEBHOOK_AUTH (url_token, header, jwt or apikey)"

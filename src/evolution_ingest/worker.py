@@ -8,7 +8,9 @@ the webhook app ▸ then exactly one settlement (:meth:`Worker.settle`):
   the lock-busy queue, without using the retry budget; after
   ``LOCK_BUSY_MAX_RETURNS`` it is acked anyway — it is saved, the reconciler heals it;
 * forward failed (or Postgres unreachable): next retry tier, then the parking queue;
-* not JSON, not an Evolution event, too large: the parking queue, with the reason.
+* not JSON, not an Evolution event, too large, a row Postgres cannot store: kept as a
+  refusal (:mod:`evolution_ingest.refusals`) and acked; the parking queue, with the
+  reason, when the refusal cannot be written (Postgres away).
 
 Every republish waits for the broker's confirm before the original is acked, and
 nothing is ever nacked back onto its queue (quorum queues count redeliveries and
@@ -41,9 +43,10 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, 
 from evolution_ingest.body import BodyRejected, load_body
 from evolution_ingest.config import Settings
 from evolution_ingest.forward import Delivery, Forwarder
-from evolution_ingest.identity import Envelope, InvalidEvent, parse_envelope
-from evolution_ingest.inbox import StoreUnavailable
+from evolution_ingest.identity import Envelope, InvalidEvent
+from evolution_ingest.inbox import RowRejected, StoreUnavailable
 from evolution_ingest.ingestion import Ingestion, Outcome
+from evolution_ingest.refusals import Refusal, RefusalLog
 from evolution_ingest.topology import Topology, declare
 
 log = structlog.get_logger(__name__)
@@ -97,8 +100,11 @@ def _header_int(headers: dict[str, Any], name: str) -> int:
 class Worker:
     """Consumes Evolution's queues (and the service's ready queue) on one connection."""
 
-    def __init__(self, *, ingestion: Ingestion, forwarder: Forwarder, settings: Settings) -> None:
+    def __init__(
+        self, *, ingestion: Ingestion, forwarder: Forwarder, settings: Settings, refusals: RefusalLog
+    ) -> None:
         self._ingestion = ingestion
+        self._refusals = refusals
         self._counters = ingestion.counters
         self._forwarder = forwarder
         self._settings = settings
@@ -225,7 +231,7 @@ class Worker:
                 if self._stopping:
                     return  # never started: the channel closes and RabbitMQ redelivers it
                 started = time.perf_counter()
-                decision = await self.decide(message)
+                decision = await self.decide(queue, message)
                 self._log_outcome(queue, decision, started)
                 try:
                     await self.settle(queue, message, decision)
@@ -254,15 +260,26 @@ class Worker:
             duration_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
-    async def decide(self, message: AbstractIncomingMessage) -> Decision:
+    async def _refuse(
+        self, queue: str, message: AbstractIncomingMessage, code: str, reason: str, envelope: Envelope | None
+    ) -> Decision:
+        """Keep a message that can never be processed as a refusal and ack it; park it if it cannot be kept."""
+        origin = f"{queue} [{message.routing_key or ''}]"
+        try:
+            await self._refusals.record(Refusal(_NAME, code, reason, message.body, None, origin))
+        except StoreUnavailable:
+            return Decision(Action.PARK, reason, "invalid", envelope)
+        return Decision(Action.ACK, reason, "refused", envelope)
+
+    async def decide(self, queue: str, message: AbstractIncomingMessage) -> Decision:
         try:
             body = load_body(
                 message.body, max_bytes=self._settings.max_body_bytes, max_keys=self._settings.max_json_keys
             )
-            envelope = parse_envelope(body)
+            envelope = self._ingestion.envelope(body)
         except (BodyRejected, InvalidEvent) as exc:
             self._counters.incr(f"{_NAME}:invalid")
-            return Decision(Action.PARK, f"not an Evolution event: {exc.reason}", "invalid")
+            return await self._refuse(queue, message, exc.code, f"not an Evolution event: {exc.reason}", None)
         try:
             async with self._ingestion.hold(envelope) as held:
                 if held.outcome is Outcome.DUPLICATE:
@@ -280,6 +297,9 @@ class Worker:
                 self._counters.incr(f"{_NAME}:forward_fail")
                 log.warning("forward failed", dedup_key=envelope.dedup_key, error=result.error)
                 return Decision(Action.RETRY, result.error, "forward_failed", envelope)
+        except RowRejected as exc:
+            self._counters.incr(f"{_NAME}:invalid")
+            return await self._refuse(queue, message, exc.code, exc.reason, envelope)
         except StoreUnavailable as exc:
             self._counters.incr(f"{_NAME}:unavailable")
             return Decision(Action.RETRY, str(exc), "unavailable", envelope)
