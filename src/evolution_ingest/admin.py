@@ -21,6 +21,7 @@ from evolution_ingest.assembly import (
     run_async,
     unavailable_is_an_error,
 )
+from evolution_ingest.refusals import ReplayFilters
 
 
 @click.command()
@@ -31,7 +32,7 @@ def status(as_json: bool) -> None:
 
     async def gather() -> dict[str, Any]:
         async with operator_runtime(settings) as runtime:
-            return await inspection.status(runtime.inbox, runtime.counters, settings)
+            return await inspection.status(runtime.inbox, runtime.counters, settings, runtime.refusals)
 
     report = run_async(gather)
     if as_json:
@@ -63,12 +64,17 @@ def check(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the row as JSON.")
 @click.option("--show-apikey", is_flag=True, help="Show the stored apikey instead of redacting it.")
 def inspect(ref: str, as_json: bool, show_apikey: bool) -> None:
-    """One event: its row, channels, attempts, last error and stored payload (REF: id or dedup key)."""
+    """One event: its row, channels, attempts, last error and stored payload.
+
+    REF: a row id, a dedup key (or 8+ hex characters of one), or refusal:<id> for a refused body.
+    """
     settings = load_settings()
 
     async def find() -> dict[str, Any]:
         async with operator_runtime(settings) as runtime:
-            return await inspection.inspect(runtime.inbox, ref, show_apikey=show_apikey)
+            return await inspection.inspect(
+                runtime.inbox, ref, refusals=runtime.refusals, show_apikey=show_apikey
+            )
 
     try:
         row = run_async(unavailable_is_an_error(find))
@@ -76,6 +82,8 @@ def inspect(ref: str, as_json: bool, show_apikey: bool) -> None:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(maintenance.as_json(row))
+    elif "refusal" in row:
+        console.render_refusal(row["refusal"])
     else:
         console.render_row(row)
 
@@ -98,6 +106,20 @@ def _when(value: str | None) -> datetime | None:
 @click.command()
 @click.option("--failed/--no-failed", default=True, help="Replay events marked failed in the inbox.")
 @click.option("--parked/--no-parked", default=True, help="Replay messages in the parking queue.")
+@click.option(
+    "--refused", is_flag=True, help="Also re-submit refused bodies kept by the service (after a fix)."
+)
+@click.option(
+    "--code",
+    "codes",
+    multiple=True,
+    help="Refused bodies of this code only (malformed_json, too_large, unauthorized...); repeatable.",
+)
+@click.option(
+    "--include-unauthorized",
+    is_flag=True,
+    help="Also bodies refused for missing or wrong credentials (skipped unless named: --code unauthorized).",
+)
 @click.option("--event", help="Only this event (messages.upsert or MESSAGES_UPSERT).")
 @click.option("--instance", help="Only this instance.")
 @click.option("--since", help="Only from this time (ISO) or age (2h): received, or parked, since.")
@@ -109,6 +131,9 @@ def replay(
     *,
     failed: bool,
     parked: bool,
+    refused: bool,
+    codes: tuple[str, ...],
+    include_unauthorized: bool,
     event: str | None,
     instance: str | None,
     since: str | None,
@@ -117,7 +142,7 @@ def replay(
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Send failed events and parked messages back through processing."""
+    """Send failed events and parked messages (and, with --refused, refused bodies) back through processing."""
     settings = load_settings()
     filters = maintenance.Filters(event, instance, _when(since), _when(until))
     report = maintenance.ReplayReport(dry_run=dry_run)
@@ -133,6 +158,16 @@ def replay(
             if parked:
                 with console.progress_bar("parked messages", None, enabled=not as_json) as advance:
                     await maintenance.replay_parked(settings, filters, report, limit, advance)
+            if refused:
+                wanted = ReplayFilters(
+                    codes=codes,
+                    since=filters.since,
+                    until=filters.until,
+                    unauthorized=include_unauthorized,
+                )
+                found = await runtime.refusals.to_replay(wanted, limit)
+                with console.progress_bar("refused bodies", len(found), enabled=not as_json) as advance:
+                    await maintenance.replay_refused(runtime, sender, found, report, advance)
         return report.as_dict()
 
     result = run_async(unavailable_is_an_error(run_replay))

@@ -84,6 +84,7 @@ def render_status(report: dict[str, Any]) -> None:
         if extra:
             console.print("Other counters: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
     render_routes(report["routes"])
+    render_refusals(report["refusals"])
     rabbit = report["rabbitmq"]
     if not _section_error("RabbitMQ", rabbit):
         table = Table(title=f"RabbitMQ ({rabbit['mode']} mode)", box=box.SIMPLE, title_justify="left")
@@ -108,6 +109,41 @@ def render_status(report: dict[str, Any]) -> None:
                     str(consumers) if consumers or name not in rabbit["evolution_queues"] else "[red]0[/]",
                 )
         console.print(table)
+
+
+def render_refusals(section: dict[str, Any]) -> None:
+    if _section_error("Refused bodies", section):
+        return
+    summary = section["summary"]
+    console.print(
+        f"[bold]Refused bodies[/]: {summary['kept']} kept (the newest {summary['keep']}), "
+        f"{_warn_if(summary['last_24h'])} in the last 24 h, {summary['not_replayed']} not replayed"
+    )
+    for row in summary["last_24h_by_code"]:
+        console.print(f"  {row['source']} {row['code']}: {row['refusals']}")
+    for row in section["recent"]:
+        console.print(
+            f"  refusal:{row['id']}  {row['received_at']:%Y-%m-%d %H:%M:%S}  {row['source']} "
+            f"{row['status'] or '-'} {row['code']}: {row['reason'][:120]}"
+        )
+    if section["recent"]:
+        console.print("  (inspect refusal:<id> shows one; replay --refused re-submits them after a fix)")
+
+
+def render_refusal(row: dict[str, Any]) -> None:
+    table = Table(box=box.SIMPLE, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for name in (
+        "id", "received_at", "source", "status", "code", "reason", "origin", "body_bytes", "truncated",
+        "replayed_at", "replay_outcome",
+    ):  # fmt: skip
+        table.add_row(name, "-" if row.get(name) is None else str(row[name]))
+    console.print(table)
+    if row.get("body") is not None:
+        console.print(row["body"], markup=False, highlight=False)
+    else:
+        console.print(f"body (not UTF-8, hex): {row['body_hex']}")
 
 
 def render_routes(section: dict[str, Any]) -> None:
@@ -198,6 +234,9 @@ def render_replay(report: dict[str, Any]) -> None:
         console.print(
             f"  {report['parked_left']} parked message(s) left in place (not Evolution events, or filtered out)"
         )
+    if "refused_bodies" in report:
+        became = ", ".join(f"{k} {v}" for k, v in sorted(report["refused_outcomes"].items()))
+        console.print(f"  {report['refused_bodies']} refused body(ies) {verb}: {became}")
 
 
 def render_purge(report: dict[str, Any], older_than: str) -> None:

@@ -17,11 +17,12 @@ from typing import Any, Final
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
-from evolution_ingest import migrations
+from evolution_ingest import codec, migrations
 from evolution_ingest.config import ConfigError, Settings
 from evolution_ingest.delivery import DeliveryLog
-from evolution_ingest.inbox import TABLE, PostgresInbox
+from evolution_ingest.inbox import TABLE, PostgresInbox, StoreUnavailable
 from evolution_ingest.metrics import Counters
+from evolution_ingest.refusals import RefusalLog
 from evolution_ingest.routes import load_routes
 from evolution_ingest.topology import Topology
 from evolution_ingest.worker import BROKER_ERRORS
@@ -159,7 +160,17 @@ async def routes_status(inbox: PostgresInbox, counters: dict[str, Any], settings
     }
 
 
-async def status(inbox: PostgresInbox, counters: Counters, settings: Settings) -> dict[str, Any]:
+async def refusal_report(refusals: RefusalLog, recent: int = 20) -> dict[str, Any]:
+    """How many refused bodies are kept, by code over 24 hours, and the newest ones."""
+    try:
+        return {"ok": True, "summary": await refusals.summary(), "recent": await refusals.recent(recent)}
+    except StoreUnavailable as exc:
+        return _error(exc)
+
+
+async def status(
+    inbox: PostgresInbox, counters: Counters, settings: Settings, refusals: RefusalLog
+) -> dict[str, Any]:
     counted = await counter_values(counters)
     return {
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -167,12 +178,25 @@ async def status(inbox: PostgresInbox, counters: Counters, settings: Settings) -
         "rabbitmq": await rabbitmq_status(settings),
         "counters": counted,
         "routes": await routes_status(inbox, counted, settings),
+        "refusals": await refusal_report(refusals, recent=5),
     }
 
 
-async def inspect(inbox: PostgresInbox, ref: str, *, show_apikey: bool = False) -> dict[str, Any]:
-    """One inbox row by id, dedup key, or a unique prefix of at least 8 hex characters."""
+REFUSAL_REF: Final = "refusal:"
+
+
+async def inspect(
+    inbox: PostgresInbox, ref: str, *, refusals: RefusalLog | None = None, show_apikey: bool = False
+) -> dict[str, Any]:
+    """One inbox row by id, dedup key, or a unique prefix of at least 8 hex characters;
+    or one refused body by ``refusal:<id>``."""
     ref = ref.strip().lower()
+    if ref.startswith(REFUSAL_REF) and refusals is not None:
+        number = ref.removeprefix(REFUSAL_REF)
+        found = await refusals.get(int(number)) if number.isdigit() else None
+        if found is None:
+            raise LookupError(f"no refusal {number!r} is kept (see `status` for the kept ones)")
+        return {"refusal": found}
     args: list[Any]
     if ref.isdigit():
         where, args = "id = $1", [int(ref)]
@@ -188,7 +212,7 @@ async def inspect(inbox: PostgresInbox, ref: str, *, show_apikey: bool = False) 
     if len(records) > 1:
         raise LookupError(f"{ref!r} matches several events; give more characters")
     row = dict(records[0])
-    payload = row.get("payload")
+    payload = row["payload"] = codec.from_storage(row["payload"], row.pop("payload_text", None))
     if isinstance(payload, dict) and "apikey" in payload and not show_apikey:
         row["payload"] = {**payload, "apikey": "[redacted]"}
     row["claim_token"] = str(row["claim_token"]) if row.get("claim_token") else None

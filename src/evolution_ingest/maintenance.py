@@ -16,14 +16,18 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 import aio_pika
-import orjson
 from aio_pika.abc import AbstractIncomingMessage
 
+from evolution_ingest import codec
 from evolution_ingest.body import BodyRejected, load_body
 from evolution_ingest.config import Settings
-from evolution_ingest.identity import InvalidEvent, normalize_event_name, parse_envelope
-from evolution_ingest.inbox import TABLE, PostgresInbox
+from evolution_ingest.events import Channel
+from evolution_ingest.forward import Delivery, Forwarder
+from evolution_ingest.identity import Envelope, InvalidEvent, normalize_event_name, parse_envelope
+from evolution_ingest.inbox import TABLE, PostgresInbox, RowRejected
+from evolution_ingest.ingestion import Ingestion, Outcome
 from evolution_ingest.reconciler import InboxRow, Resender, Resent
+from evolution_ingest.runtime import Runtime
 from evolution_ingest.topology import Topology
 from evolution_ingest.worker import BROKER_ERRORS, HEADER_ATTEMPTS, HEADER_BUSY, HEADER_PARKED_AT
 
@@ -66,15 +70,21 @@ class ReplayReport:
     outcomes: dict[str, int] = field(default_factory=dict)
     #: Parked messages left where they are: not Evolution events, or filtered out.
     parked_left: int = 0
+    #: Refused bodies looked at, and what became of them (processed, duplicate, still refused...).
+    refused: int = 0
+    refused_outcomes: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        report: dict[str, Any] = {
             "dry_run": self.dry_run,
             "failed_events": self.failed_events,
             "parked_messages": self.parked_messages,
             "parked_left": self.parked_left,
             **self.outcomes,
         }
+        if self.refused:
+            report |= {"refused_bodies": self.refused, "refused_outcomes": self.refused_outcomes}
+        return report
 
 
 async def failed_rows(inbox: PostgresInbox, filters: Filters, limit: int) -> list[InboxRow]:
@@ -92,7 +102,7 @@ async def failed_rows(inbox: PostgresInbox, filters: Filters, limit: int) -> lis
             clauses.append(f"{column} {op} ${len(args)}")
     args.append(limit)
     query = (
-        f"SELECT id, dedup_key, payload, attempts, received_at FROM {TABLE} WHERE {' AND '.join(clauses)} "
+        f"SELECT id, dedup_key, payload, payload_text, attempts, received_at FROM {TABLE} WHERE {' AND '.join(clauses)} "
         f"ORDER BY received_at, id LIMIT ${len(args)}"
     )
     async with inbox.connection() as conn:
@@ -109,6 +119,54 @@ async def replay_failed(
             outcome = await resender.resend(row, mark_dead=False)
             key = "recovered" if outcome is Resent.RECOVERED else f"still_{outcome.value}"
             report.outcomes[key] = report.outcomes.get(key, 0) + 1
+        progress(1)
+
+
+async def resubmit(ingestion: Ingestion, sender: Forwarder, envelope: Envelope, channel: Channel) -> str:
+    """Save a copy as if ``channel`` had just delivered it, then forward it (the worker's path)."""
+    async with ingestion.hold(envelope, channel) as held:
+        if held.outcome is not Outcome.SAVED:
+            return "duplicate" if held.outcome is Outcome.DUPLICATE else "saved; being processed elsewhere"
+        result = await sender.forward(envelope)
+        if result.delivery is Delivery.DONE:
+            held.processed = True
+            return "processed"
+    if result.delivery is Delivery.LOCKED:
+        return "saved; being processed elsewhere"
+    return f"saved; forward failed, the reconciler will finish it: {result.error}"
+
+
+async def replay_refused(
+    runtime: Runtime,
+    sender: Forwarder,
+    found: list[tuple[int, str, bytes, bool]],
+    report: ReplayReport,
+    progress: Progress,
+) -> None:
+    """Re-submit refused bodies through the ingestion core; each is marked with its outcome."""
+    settings = runtime.settings
+    report.refused += len(found)
+    for refusal_id, source, body, truncated in found:
+        if truncated:
+            outcome = "still refused: the kept copy was cut at REFUSAL_MAX_BYTES"
+        else:
+            try:
+                envelope = runtime.ingestion.envelope(
+                    load_body(body, max_bytes=settings.max_body_bytes, max_keys=settings.max_json_keys)
+                )
+            except (BodyRejected, InvalidEvent) as exc:
+                outcome = f"still refused: {exc.reason}"
+            else:
+                outcome = "would be re-submitted"
+                if not report.dry_run:
+                    try:
+                        outcome = await resubmit(runtime.ingestion, sender, envelope, Channel(source.upper()))
+                    except RowRejected as exc:
+                        outcome = f"still refused: {exc.reason}"
+        if not report.dry_run:
+            await runtime.refusals.mark_replayed(refusal_id, outcome)
+        key = outcome.split(":", 1)[0].split(";", 1)[0]
+        report.refused_outcomes[key] = report.refused_outcomes.get(key, 0) + 1
         progress(1)
 
 
@@ -226,4 +284,4 @@ async def purge(inbox: PostgresInbox, report: PurgeReport, *, batch_size: int, p
 
 
 def as_json(data: Any) -> str:
-    return orjson.dumps(data, default=str, option=orjson.OPT_INDENT_2).decode()
+    return codec.dumps(data, default=str, indent=True).decode()

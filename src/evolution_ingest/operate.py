@@ -13,17 +13,18 @@ import time
 from importlib import resources
 from typing import Any, Final
 
-import orjson
 from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from evolution_ingest import codec
 from evolution_ingest.config import Settings
 from evolution_ingest.inbox import TABLE, PostgresInbox
-from evolution_ingest.inspection import inspect
+from evolution_ingest.inspection import inspect, refusal_report
 from evolution_ingest.metrics import Counters
 from evolution_ingest.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
+from evolution_ingest.refusals import RefusalLog
 
 _FAILURES: Final = f"""
 SELECT id, dedup_key, event, instance, attempts, last_error, last_attempt_at,
@@ -37,7 +38,7 @@ SELECT id, dedup_key, event, instance, attempts, last_error, last_attempt_at,
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
-        orjson.dumps(payload, default=str, option=orjson.OPT_INDENT_2),
+        codec.dumps(payload, default=str, indent=True),
         status,
         headers,
         media_type="application/json",
@@ -69,8 +70,11 @@ _CHALLENGE: Final = {"WWW-Authenticate": 'Basic realm="evolution-ingest dashboar
 class Operator:
     """What the routes read: the process's stores, through short caches."""
 
-    def __init__(self, inbox: PostgresInbox, counters: Counters, redis: Redis, settings: Settings) -> None:
+    def __init__(
+        self, inbox: PostgresInbox, counters: Counters, redis: Redis, settings: Settings, refusals: RefusalLog
+    ) -> None:
         self._inbox = inbox
+        self._refusals = refusals
         self._counters = counters
         self._settings = settings
         self.metrics = Metrics(inbox, counters, redis, settings)
@@ -88,6 +92,7 @@ class Operator:
             Route("/dashboard", self.get_dashboard, methods=["GET"]),
             Route("/dashboard/data", self.get_dashboard_data, methods=["GET"]),
             Route("/dashboard/events/{ref}", self.get_event, methods=["GET"]),
+            Route("/dashboard/refusals/{refusal_id:int}", self.get_refusal, methods=["GET"]),
         ]
 
     async def get_metrics(self, _: Request) -> Response:
@@ -126,6 +131,14 @@ class Operator:
         except ValueError as exc:
             return _json({"error": str(exc)}, 400)
 
+    async def get_refusal(self, request: Request) -> Response:
+        if refusal := self._refusal(request):
+            return refusal
+        found = await self._refusals.get(request.path_params["refusal_id"])
+        if found is None:
+            return _json({"error": "no such refusal (kept ones only)"}, 404)
+        return _json(found)
+
     async def _read_dashboard(self) -> dict[str, Any]:
         data: dict[str, Any] = {"at": time.time(), "readiness": await self.readiness.report()}
         try:
@@ -137,6 +150,7 @@ class Operator:
         data["coverage"] = await coverage(self._inbox, self._counters, self._settings)
         data["gap_after_seconds"] = self._settings.gap_alert_after_seconds
         data["inbox"], data["rabbitmq"] = await self.metrics.stores()
+        data["refusals"] = await refusal_report(self._refusals)
         try:
             async with self._inbox.connection() as conn:
                 data["failures"] = [dict(row) for row in await conn.fetch(_FAILURES)]
