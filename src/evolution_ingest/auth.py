@@ -10,10 +10,12 @@ reason, which is logged and counted but never includes the presented secret.
 from __future__ import annotations
 
 import hmac
+import warnings
 from collections.abc import Mapping
 from typing import Any, Final
 
 import jwt
+from jwt.warnings import InsecureKeyLengthWarning
 
 from evolution_ingest.config import Settings, WebhookAuth
 
@@ -22,6 +24,8 @@ INTERNAL_SECRET_HEADER: Final = "x-internal-webhook-secret"  # noqa: S105 - a he
 #: It keeps a forward tied to its row even if the stored copy differs from the original
 #: (a NUL replaced for jsonb), and spares the webhook app the hashing.
 DEDUP_KEY_HEADER: Final = "x-evolution-ingest-dedup-key"
+#: RFC 7518 asks HS256 keys for at least as many bytes as the hash has.
+JWT_MIN_KEY_BYTES: Final = 32
 
 
 def _same(presented: str | None, expected: str) -> bool:
@@ -40,6 +44,14 @@ class EvolutionAuth:
         self._jwt_key = settings.webhook_jwt_key.get_secret_value() if settings.webhook_jwt_key else ""
         self._leeway = settings.webhook_jwt_leeway_seconds
         self._apikeys = [key.get_secret_value() for key in settings.webhook_apikeys]
+        if self._jwt_key:
+            # Said once, at start-up (see ``weak_jwt_key``), instead of by PyJWT on every call.
+            warnings.filterwarnings("ignore", category=InsecureKeyLengthWarning)
+
+    @property
+    def weak_jwt_key(self) -> bool:
+        """True when JWT auth is on with a key shorter than :data:`JWT_MIN_KEY_BYTES`."""
+        return WebhookAuth.JWT in self.methods and len(self._jwt_key.encode()) < JWT_MIN_KEY_BYTES
 
     @property
     def enabled(self) -> bool:

@@ -12,10 +12,10 @@ import sys
 from collections.abc import MutableMapping
 from typing import Any, Final
 
-import orjson
 import structlog
 from structlog.typing import Processor
 
+from evolution_ingest import codec
 from evolution_ingest.config import LogFormat
 
 _SECRET_KEYS: Final = frozenset(
@@ -31,7 +31,7 @@ def redact(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> Mu
 
 
 def _json(value: Any, **_: Any) -> str:
-    return orjson.dumps(value, default=repr).decode()
+    return codec.dumps(value, default=repr).decode()
 
 
 def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bool = True) -> None:
@@ -68,5 +68,7 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bo
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric_level)
+    # Warnings of libraries (``warnings.warn``) become log lines too: every line stays one JSON object.
+    logging.captureWarnings(True)
     # Per-request lines of the ASGI server would duplicate ours.
     logging.getLogger("uvicorn.access").disabled = True
