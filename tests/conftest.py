@@ -142,8 +142,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @asynccontextmanager
 async def serving(runtime: Runtime) -> AsyncIterator[str]:
     """The webhook app of ``runtime`` on a real port; yields its webhook URL."""
-    operator = Operator(runtime.inbox, runtime.counters, runtime.redis, runtime.settings)
-    async with running_server(create_app(runtime.ingestion, runtime.settings, operator.routes())) as base:
+    operator = Operator(runtime.inbox, runtime.counters, runtime.redis, runtime.settings, runtime.refusals)
+    async with running_server(
+        create_app(runtime.ingestion, runtime.settings, runtime.refusals, operator.routes())
+    ) as base:
         yield base + "/api/internal/webhook"
 
 
@@ -192,7 +194,9 @@ async def worker_for(
     forwarder = HttpForwarder(
         forward_url, settings.internal_secret.get_secret_value(), timeout=settings.forward_timeout_seconds
     )
-    worker = Worker(ingestion=runtime.ingestion, forwarder=forwarder, settings=settings)
+    worker = Worker(
+        ingestion=runtime.ingestion, forwarder=forwarder, settings=settings, refusals=runtime.refusals
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:

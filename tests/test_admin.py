@@ -7,6 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
+import aio_pika
 import aiohttp
 import asyncpg
 import orjson
@@ -109,7 +110,10 @@ async def test_a_parked_message_is_replayed_and_processed_once(
             ):
                 publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
                 await publisher.publish_global(item["rabbitmq_body"], item["routing_key"])
-                await publisher.publish_global(b"not json at all", item["routing_key"])
+                # What the worker parks when it cannot keep a refusal (Postgres away).
+                await channel.default_exchange.publish(
+                    aio_pika.Message(b"not json at all"), routing_key=topology.parking
+                )
 
                 async def parked() -> bool:
                     return await depth(channel, topology.parking) == 2
@@ -205,10 +209,12 @@ async def test_a_late_retry_of_an_event_purged_with_payload_only_is_still_a_dupl
 async def test_inspect_shows_one_event_by_id_key_or_prefix_without_its_apikey(
     open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
 ) -> None:
+    """With KEEP_APIKEY on (the apikey is stored), inspect still hides it unless asked."""
     item = fixture("send_message_text_via_api")
     key = parse_envelope(item["webhook_body"]).dedup_key
+    settings = settings.model_copy(update={"keep_apikey": True})
     async with (
-        open_runtime() as runtime,
+        open_runtime(keep_apikey=True) as runtime,
         serving(runtime) as url,
         http.post(url, data=orjson.dumps(item["webhook_body"])) as resp,
     ):

@@ -19,6 +19,14 @@ TOKEN = "fake-url-token-for-tests"
 JWT_KEY = "fake-jwt-key-for-tests-0123456789abcdef"
 
 
+def refused(answer: tuple[int, dict[str, Any]]) -> tuple[int, str]:
+    """(status, reason) of a refusal, which is kept (it has an id) as unauthorized."""
+    status, body = answer
+    assert body["code"] == "unauthorized"
+    assert isinstance(body["refusal_id"], int)
+    return status, body["error"]
+
+
 async def call(
     http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, Any]]:
@@ -50,8 +58,8 @@ async def test_url_token_in_the_path_or_the_query_is_accepted_and_a_wrong_one_re
             missing = await call(http, url, fixture("presence_update_composing")["webhook_body"])
         await runtime.counters.flush()
         unauthorized = await runtime.counters.read(["webhook:unauthorized"])
-    assert wrong == (401, {"error": "url_token: wrong token"})
-    assert missing == (401, {"error": "url_token: no token in the URL"})
+    assert refused(wrong) == (401, "url_token: wrong token")
+    assert refused(missing) == (401, "url_token: no token in the URL")
     assert recorder.total == 3
     assert unauthorized == {"webhook:unauthorized": 2}
     refusals = [entry for entry in logs if entry["event"] == "call refused"]
@@ -94,10 +102,10 @@ async def test_evolution_jwt_is_accepted_for_the_whole_retry_window(
         basic = await call(http, url, body, {"Authorization": "Basic Zm9vOmJhcg=="})
     assert fresh == (200, {"status": "processed", "dedup_key": fresh[1]["dedup_key"]})
     assert retry[1]["reason"] == "duplicate"
-    assert stale == (401, {"error": "jwt: expired beyond the allowed leeway"})
-    assert forged == (401, {"error": "jwt: InvalidSignatureError"})
+    assert refused(stale) == (401, "jwt: expired beyond the allowed leeway")
+    assert refused(forged) == (401, "jwt: InvalidSignatureError")
     assert garbage[0] == 401
-    assert basic == (401, {"error": "jwt: Authorization is not 'Bearer <token>'"})
+    assert refused(basic) == (401, "jwt: Authorization is not 'Bearer <token>'")
     assert recorder.total == 1
 
 

@@ -133,7 +133,9 @@ async def test_a_400_from_a_destination_is_permanent_and_not_retried(
             await runtime.counters.flush()
             totals = await runtime.counters.read(["route:crm:permanent", "route:crm:failed"])
             problems = await runtime.router.deliveries.problems()  # type: ignore[union-attr]
-            report = await inspection.status(runtime.inbox, runtime.counters, runtime.settings)
+            report = await inspection.status(
+                runtime.inbox, runtime.counters, runtime.settings, runtime.refusals
+            )
             row = await inspection.inspect(runtime.inbox, parse_envelope(body).dedup_key)
     assert first == (200, {"status": "processed", "dedup_key": parse_envelope(body).dedup_key})
     assert again[1]["reason"] == "duplicate"

@@ -15,7 +15,7 @@ from evolution_ingest.identity import parse_envelope
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.topology import Topology
 from evolution_ingest.worker import HEADER_ATTEMPTS, HEADER_ORIGIN, HEADER_PARKED_REASON
-from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving, worker_for
+from tests.conftest import DATABASE_URL, RABBITMQ_URL, OpenRuntime, running_service, serving, worker_for
 from tests.support import Recorder, dead_port, fixture, fixtures, wait_until
 from tests.support.evolution import (
     EvolutionPublisher,
@@ -223,8 +223,8 @@ async def test_a_webhook_app_down_for_good_parks_every_message_with_its_error(
     assert all(r["processed_at"] is None for r in rows)
 
 
-async def test_a_broken_message_is_parked_and_the_worker_keeps_consuming(
-    open_runtime: OpenRuntime, recorder: Recorder
+async def test_a_broken_message_is_kept_as_a_refusal_acked_and_the_worker_keeps_consuming(
+    open_runtime: OpenRuntime, recorder: Recorder, db: asyncpg.Connection
 ) -> None:
     async with open_runtime() as runtime, running_service(runtime) as service:
         settings = runtime.settings
@@ -235,16 +235,43 @@ async def test_a_broken_message_is_parked_and_the_worker_keeps_consuming(
             await publisher.publish_global(b'["an", "array"]', "messages.upsert")
             await publisher.publish_global(fixture("call_offer")["rabbitmq_body"], "call")
 
-            async def two_parked() -> bool:
-                return await depth(channel, topology.parking) == 2
+            async def two_kept() -> bool:
+                return await db.fetchval("SELECT count(*) FROM evolution_ingest_refusals") == 2
 
-            await wait_until(two_parked, within=10, message="two parked")
+            await wait_until(two_kept, within=10, message="two refusals kept")
             await wait_until(lambda: recorder.total == 1, within=10, message="the valid one processed")
-            parked = await take_all(channel, topology.parking)
-    reasons = sorted(str(m.headers[HEADER_PARKED_REASON]) for m in parked)
-    assert reasons[0].startswith("not an Evolution event: body must be a JSON object")
-    assert reasons[1].startswith("not an Evolution event: malformed JSON")
-    assert sorted(m.body for m in parked) == [b'["an", "array"]', b"this is not json"]
+            queue = f"{settings.rabbitmq_prefix}.messages.upsert"
+            assert await depth(channel, queue) == 0
+            assert await depth(channel, topology.parking) == 0
+    kept = sorted(await db.fetch("SELECT * FROM evolution_ingest_refusals"), key=lambda r: r["code"])
+    assert [(r["source"], r["status"], r["code"], bytes(r["body"])) for r in kept] == [
+        ("rabbitmq", None, "malformed_json", b"this is not json"),
+        ("rabbitmq", None, "not_an_event", b'["an", "array"]'),
+    ]
+    assert kept[1]["reason"].startswith("not an Evolution event: body must be a JSON object")
+    assert {r["origin"] for r in kept} == {f"{settings.rabbitmq_prefix}.messages.upsert [messages.upsert]"}
+
+
+async def test_a_broken_message_is_parked_when_its_refusal_cannot_be_kept(
+    open_runtime: OpenRuntime, recorder: Recorder, proxy_factory: Any
+) -> None:
+    proxy = await proxy_factory("127.0.0.1", 5432)
+    proxied = DATABASE_URL.replace(":5432/", f":{proxy.port}/")
+    async with open_runtime(database_url=proxied) as runtime, running_service(runtime) as service:
+        settings = runtime.settings
+        async with broker(RABBITMQ_URL) as (_, channel):
+            proxy.cut()
+            publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
+            await publisher.publish_global(b"this is not json", "messages.upsert")
+
+            async def parked() -> bool:
+                return await depth(channel, service.worker.topology.parking) == 1
+
+            await wait_until(parked, within=15, message="the message parked")
+            proxy.restore()
+            (message,) = await take_all(channel, service.worker.topology.parking)
+    assert message.body == b"this is not json"
+    assert str(message.headers[HEADER_PARKED_REASON]).startswith("not an Evolution event: malformed JSON")
 
 
 @pytest.mark.parametrize("here", [False, True], ids=["another-process", "this-process"])

@@ -19,6 +19,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from evolution_ingest.events import Event
+from evolution_ingest.redaction import Redactor
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "evolution_events.json"
 
@@ -38,6 +39,30 @@ def fixture(name: str) -> dict[str, Any]:
         if item["name"] == name:
             return item
     raise KeyError(name)
+
+
+def variants(count: int, *, start: int = 0) -> list[dict[str, Any]]:
+    """``count`` distinct events made from the fixtures: the same change on both forms of each,
+    so that each variant is one new emission with equal identity on both channels."""
+    items = fixtures()
+    made = []
+    for number in range(start, start + count):
+        item = copy.deepcopy(items[number % len(items)])
+        for form in ("webhook_body", "rabbitmq_body"):
+            body = item[form]
+            body["date_time"] = f"2026-02-01T10:00:00.{number:06d}Z"
+            if isinstance(body["data"], dict):
+                body["data"]["variant"] = number
+            else:
+                body["data"] = [*body["data"], {"variant": number}]
+        item["name"] = f"{item['name']}#{number}"
+        made.append(item)
+    return made
+
+
+def stored_form(body: dict[str, Any]) -> dict[str, Any]:
+    """A body as the inbox keeps it by default: its ``apikey`` redacted (see evolution_ingest.redaction)."""
+    return Redactor().body(body)
 
 
 def fixture_names() -> list[str]:
