@@ -65,6 +65,8 @@ async def test_the_dashboard_shows_the_figures_of_a_known_set_of_events(
                 async with http.post(service.url, data=orjson.dumps(item["webhook_body"])):
                     pass
                 await publisher.publish_global(item["rabbitmq_body"], item["routing_key"])
+            async with http.post(service.url, data=b'{"event": "call", "data": {}}') as refused:
+                assert refused.status == 400
 
             async def settled() -> bool:
                 counted = await runtime.counters.read(["rabbitmq:received"])
@@ -97,6 +99,10 @@ async def test_the_dashboard_shows_the_figures_of_a_known_set_of_events(
         assert await failures.count() == failing
         assert "the call handler is down" in await failures.first.inner_text()
         assert "lock-busy" in await page.inner_text("#queues")
+        refusals = page.locator("#refusals tbody tr")
+        assert await refusals.count() == 1
+        assert "missing field 'instance'" in await refusals.first.inner_text()
+        assert "1 kept" in (await page.text_content("#refusals-summary") or "")
         await asyncio.to_thread(ARTIFACTS.mkdir, parents=True, exist_ok=True)
         await page.screenshot(path=ARTIFACTS / "dashboard.png", full_page=True)
 
@@ -107,6 +113,11 @@ async def test_the_dashboard_shows_the_figures_of_a_known_set_of_events(
         assert "the call handler is down" in shown
         assert "[redacted]" in shown
         assert items[0]["webhook_body"]["apikey"] not in shown
+        await page.go_back()
+        await page.wait_for_selector("body[data-loaded=yes]", timeout=15_000)
+        await page.locator("#refusals tbody tr a").first.click()
+        await page.wait_for_load_state()
+        assert '{\\"event\\": \\"call\\", \\"data\\": {}}' in await page.inner_text("body")
         await context.close()
 
         # Without the token: refused, in the browser and by plain HTTP.
