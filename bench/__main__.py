@@ -45,7 +45,7 @@ from bench.harness import (
     wait_http,
 )
 from bench.measure import CpuMeter, Traced, infrastructure, percentile, status_mb
-from evolution_ingest.identity import EVENT_NAMES, parse_envelope
+from evolution_ingest.core.identity import EVENT_NAMES, parse_envelope
 
 EVENTS = sorted(
     {

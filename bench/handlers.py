@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from evolution_ingest.events import Event
+from evolution_ingest.core.events import Event
 
 _trace: TextIO | None = None
 

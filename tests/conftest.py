@@ -21,15 +21,15 @@ import pytest
 from redis.asyncio import Redis
 
 from evolution_ingest import logs
+from evolution_ingest.channels.forward import HttpForwarder
+from evolution_ingest.channels.topology import Topology
+from evolution_ingest.channels.webhook import create_app
+from evolution_ingest.channels.worker import Worker
 from evolution_ingest.config import LogFormat, Settings
-from evolution_ingest.forward import HttpForwarder
-from evolution_ingest.handlers import HandlerPipeline
-from evolution_ingest.inbox import init_connection
-from evolution_ingest.operate import Operator
+from evolution_ingest.core.pipeline import HandlerPipeline
+from evolution_ingest.operate.dashboard import Operator
 from evolution_ingest.runtime import Runtime, run_migrations
-from evolution_ingest.topology import Topology
-from evolution_ingest.webhook import create_app
-from evolution_ingest.worker import Worker
+from evolution_ingest.stores.inbox import init_connection
 from tests.support import Recorder, fixtures, running_server
 from tests.support.evolution import remove, sweep_stale_queues
 from tests.support.proxy import TcpProxy

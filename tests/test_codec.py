@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evolution_ingest import codec
-from evolution_ingest.redaction import REDACTED, Redactor
+from evolution_ingest.core import codec
+from evolution_ingest.core.redaction import REDACTED, Redactor
 from tests.support.fuzz import node_json
 
 _TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evolution_ingest.config import ConfigError, Settings, WebhookAuth, unknown_variables
-from evolution_ingest.handlers import DEFAULT_HANDLER, HandlerPipeline, load_handler
+from evolution_ingest.core.pipeline import DEFAULT_HANDLER, HandlerPipeline, load_handler
 
 
 def test_defaults_point_at_the_standard_local_ports(monkeypatch: pytest.MonkeyPatch) -> None:

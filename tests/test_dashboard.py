@@ -14,7 +14,7 @@ import orjson
 import pytest
 from playwright.async_api import Browser, async_playwright
 
-from evolution_ingest.events import Event
+from evolution_ingest.core.events import Event
 from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving
 from tests.support import Recorder, fixtures, wait_until
 from tests.support.evolution import EvolutionPublisher, broker

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evolution_ingest.identity import (
+from evolution_ingest.core.identity import (
     MESSAGE_EVENTS,
     InvalidEvent,
     canonical_json,

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from evolution_ingest.events import Channel
-from evolution_ingest.locks import PROCESSED, RedisLocks
+from evolution_ingest.core.events import Channel
+from evolution_ingest.stores.locks import PROCESSED, RedisLocks
 from tests.conftest import REDIS_URL
 from tests.support import dead_port, wait_until
 

@@ -9,8 +9,8 @@ import aiohttp
 import asyncpg
 import pytest
 
-from evolution_ingest import codec
-from evolution_ingest.identity import parse_envelope
+from evolution_ingest.core import codec
+from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.runtime import Runtime
 from tests.conftest import RABBITMQ_URL, OpenRuntime, Service, running_service
 from tests.support import Recorder, stored_form, variants, wait_until

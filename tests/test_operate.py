@@ -20,12 +20,12 @@ from bench.events import unique_event
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
-from evolution_ingest.events import Channel, Event
+from evolution_ingest.core.events import Channel, Event
 from evolution_ingest.handlers import log_summary, log_with_text
-from evolution_ingest.observe import GapWatcher, coverage, find_gaps
+from evolution_ingest.operate.observe import GapWatcher, coverage, find_gaps
 from evolution_ingest.runtime import Runtime
-from evolution_ingest.topology import Topology
 from tests.conftest import (
     DATABASE_URL,
     INTERNAL_SECRET,

@@ -17,12 +17,12 @@ import aiohttp
 import asyncpg
 import orjson
 
-from evolution_ingest.events import Channel
-from evolution_ingest.forward import ForwardResult, HttpForwarder
-from evolution_ingest.identity import Envelope, parse_envelope
-from evolution_ingest.inbox import TABLE
-from evolution_ingest.reconciler import Reconciler, Resender
+from evolution_ingest.channels.forward import ForwardResult, HttpForwarder
+from evolution_ingest.channels.reconciler import Reconciler, Resender
+from evolution_ingest.core.events import Channel
+from evolution_ingest.core.identity import Envelope, parse_envelope
 from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores.inbox import TABLE
 from tests.conftest import INTERNAL_SECRET, OpenRuntime, serving
 from tests.support import Recorder, dead_port, fixture, fixtures, free_socket, wait_until
 from tests.test_cli import env_for, healthy

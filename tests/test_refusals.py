@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from evolution_ingest.config import Settings
-from evolution_ingest.identity import parse_envelope
+from evolution_ingest.core.identity import parse_envelope
 from tests.conftest import OpenRuntime, serving
 from tests.support import Recorder, fixture, free_socket, wait_until
 from tests.test_admin import cli, cli_json

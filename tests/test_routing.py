@@ -14,11 +14,11 @@ import orjson
 import pytest
 import yaml
 
-from evolution_ingest import inspection
 from evolution_ingest.config import ConfigError
-from evolution_ingest.events import Channel, Event
-from evolution_ingest.identity import parse_envelope
-from evolution_ingest.routes import Route, load_routes
+from evolution_ingest.core.events import Channel, Event
+from evolution_ingest.core.identity import parse_envelope
+from evolution_ingest.logic.routes_file import Route, load_routes
+from evolution_ingest.operate import views as inspection
 from evolution_ingest.runtime import Runtime
 from tests.conftest import OpenRuntime, serving
 from tests.support import Recorder, fixture, fixtures, running_server

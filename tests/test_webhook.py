@@ -11,8 +11,8 @@ import asyncpg
 import orjson
 import pytest
 
-from evolution_ingest.auth import INTERNAL_SECRET_HEADER
-from evolution_ingest.identity import parse_envelope
+from evolution_ingest.channels.auth import INTERNAL_SECRET_HEADER
+from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.runtime import Runtime
 from tests.conftest import DATABASE_URL, INTERNAL_SECRET, OpenRuntime, serving
 from tests.support import Recorder, dead_port, fixture, fixture_names, fixtures, stored_form, wait_until

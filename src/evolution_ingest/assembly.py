@@ -15,18 +15,18 @@ import structlog
 import uvloop
 
 from evolution_ingest import logs
+from evolution_ingest.channels.forward import Forwarder, HttpForwarder, InProcessForwarder
+from evolution_ingest.channels.reconciler import Reconciler, Resender
+from evolution_ingest.channels.topology import Topology, declare
+from evolution_ingest.channels.webhook import create_app
+from evolution_ingest.channels.worker import BROKER_ERRORS, Worker
 from evolution_ingest.config import ConfigError, ForwardMode, Settings, unknown_variables
-from evolution_ingest.forward import Forwarder, HttpForwarder, InProcessForwarder
-from evolution_ingest.handlers import HandlerPipeline
-from evolution_ingest.inbox import CONNECTION_ERRORS, StoreUnavailable
+from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.lifecycle import Component, run_components, webhook_component
-from evolution_ingest.observe import GapWatcher
-from evolution_ingest.operate import Operator
-from evolution_ingest.reconciler import Reconciler, Resender
+from evolution_ingest.operate.dashboard import Operator
+from evolution_ingest.operate.observe import GapWatcher
 from evolution_ingest.runtime import Runtime, run_migrations
-from evolution_ingest.topology import Topology, declare
-from evolution_ingest.webhook import create_app
-from evolution_ingest.worker import BROKER_ERRORS, Worker
+from evolution_ingest.stores.inbox import CONNECTION_ERRORS, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

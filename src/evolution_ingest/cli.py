@@ -10,7 +10,6 @@ import click
 import structlog
 from pydantic import SecretStr
 
-from evolution_ingest import admin, console, maintenance
 from evolution_ingest.assembly import (
     apply_migrations,
     build_reconciler,
@@ -24,6 +23,9 @@ from evolution_ingest.assembly import (
     unavailable_is_an_error,
 )
 from evolution_ingest.config import ConfigError
+from evolution_ingest.operate import actions as maintenance
+from evolution_ingest.operate import commands as admin
+from evolution_ingest.operate import console
 
 log = structlog.get_logger(__name__)
 

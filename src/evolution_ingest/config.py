@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from evolution_ingest.identity import EMITTED_EVENTS, normalize_event_name
+from evolution_ingest.core.identity import EMITTED_EVENTS, normalize_event_name
 
 ENV_PREFIX: Final = "EVOLUTION_INGEST_"
 

@@ -15,8 +15,8 @@ from typing import Any, Final
 import structlog
 from structlog.typing import Processor
 
-from evolution_ingest import codec
 from evolution_ingest.config import LogFormat
+from evolution_ingest.core import codec
 
 _SECRET_KEYS: Final = frozenset(
     {"apikey", "api_key", "authorization", "token", "secret", "password", "internal_secret"}

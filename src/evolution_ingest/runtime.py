@@ -14,17 +14,17 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from evolution_ingest import migrations
 from evolution_ingest.config import ENV_PREFIX, ConfigError, Settings
-from evolution_ingest.handlers import HandlerPipeline
-from evolution_ingest.inbox import PostgresInbox, create_pool
-from evolution_ingest.ingestion import Ingestion
-from evolution_ingest.locks import RedisLocks
-from evolution_ingest.metrics import Counters
-from evolution_ingest.redaction import Redactor
-from evolution_ingest.refusals import RefusalLog
-from evolution_ingest.routes import load_routes
-from evolution_ingest.routing import Router
+from evolution_ingest.core.ingestion import Ingestion
+from evolution_ingest.core.pipeline import HandlerPipeline
+from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.logic.router import Router
+from evolution_ingest.logic.routes_file import load_routes
+from evolution_ingest.stores import migrations
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import PostgresInbox, create_pool
+from evolution_ingest.stores.locks import RedisLocks
+from evolution_ingest.stores.refusals import RefusalLog
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,7 @@ import orjson
 from bench.events import unique_event
 
 from evolution_ingest.config import Settings
-from evolution_ingest.identity import parse_envelope
+from evolution_ingest.core.identity import parse_envelope
 from tests.conftest import RABBITMQ_URL
 from tests.support import free_socket, wait_until
 from tests.support.evolution import consumer_count

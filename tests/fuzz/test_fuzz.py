@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evolution_ingest import codec
-from evolution_ingest.events import Event
+from evolution_ingest.core import codec
+from evolution_ingest.core.events import Event
+from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.handlers import log_summary
-from evolution_ingest.identity import parse_envelope
 from evolution_ingest.runtime import Runtime
 from tests.conftest import RABBITMQ_URL, OpenRuntime, Service, running_service
 from tests.fuzz.conftest import CASES, SEED

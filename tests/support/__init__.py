@@ -18,8 +18,8 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
-from evolution_ingest.events import Event
-from evolution_ingest.redaction import Redactor
+from evolution_ingest.core.events import Event
+from evolution_ingest.core.redaction import Redactor
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "evolution_events.json"
 

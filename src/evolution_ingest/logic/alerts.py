@@ -16,8 +16,8 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from evolution_ingest.events import Event
-from evolution_ingest.routes import lookup
+from evolution_ingest.core.events import Event
+from evolution_ingest.logic.routes_file import lookup
 
 log = structlog.get_logger(__name__)
 

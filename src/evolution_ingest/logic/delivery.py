@@ -16,8 +16,8 @@ from typing import Any, Final
 
 import aiohttp
 
-from evolution_ingest import codec
-from evolution_ingest.inbox import PostgresInbox
+from evolution_ingest.core import codec
+from evolution_ingest.stores.inbox import PostgresInbox
 
 DELIVERIES: Final = "evolution_ingest_deliveries"
 _MAX_ERROR: Final = 1000

@@ -18,18 +18,18 @@ from typing import Any, Final
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
-from evolution_ingest import codec
-from evolution_ingest.body import BodyRejected, load_body
+from evolution_ingest.channels.forward import Delivery, Forwarder
+from evolution_ingest.channels.reconciler import InboxRow, Resender, Resent
+from evolution_ingest.channels.topology import Topology
+from evolution_ingest.channels.worker import BROKER_ERRORS, HEADER_ATTEMPTS, HEADER_BUSY, HEADER_PARKED_AT
 from evolution_ingest.config import Settings
-from evolution_ingest.events import Channel
-from evolution_ingest.forward import Delivery, Forwarder
-from evolution_ingest.identity import Envelope, InvalidEvent, normalize_event_name, parse_envelope
-from evolution_ingest.inbox import TABLE, PostgresInbox, RowRejected
-from evolution_ingest.ingestion import Ingestion, Outcome
-from evolution_ingest.reconciler import InboxRow, Resender, Resent
+from evolution_ingest.core import codec
+from evolution_ingest.core.body import BodyRejected, load_body
+from evolution_ingest.core.events import Channel
+from evolution_ingest.core.identity import Envelope, InvalidEvent, normalize_event_name, parse_envelope
+from evolution_ingest.core.ingestion import Ingestion, Outcome
 from evolution_ingest.runtime import Runtime
-from evolution_ingest.topology import Topology
-from evolution_ingest.worker import BROKER_ERRORS, HEADER_ATTEMPTS, HEADER_BUSY, HEADER_PARKED_AT
+from evolution_ingest.stores.inbox import TABLE, PostgresInbox, RowRejected
 
 Progress = Callable[[int], None]
 HEADER_REPLAYED_AT: Final = "x-evolution-ingest-replayed-at"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from evolution_ingest import codec
+from evolution_ingest.core import codec
 
 #: Evolution's ``Events`` enum: enum name -> the name it puts in ``event``.
 EVENT_NAMES: Final[Mapping[str, str]] = {

@@ -28,15 +28,15 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from evolution_ingest import migrations
-from evolution_ingest.alerts import chat_message
+from evolution_ingest.channels.worker import BROKER_ERRORS
 from evolution_ingest.config import Settings
-from evolution_ingest.delivery import Courier, DeliveryStatus
-from evolution_ingest.inbox import TABLE, PostgresInbox
-from evolution_ingest.inspection import inbox_stats, rabbitmq_status
-from evolution_ingest.metrics import BUCKETS, Counters, reraise_cancellation
-from evolution_ingest.routes import load_routes
-from evolution_ingest.worker import BROKER_ERRORS
+from evolution_ingest.logic.alerts import chat_message
+from evolution_ingest.logic.delivery import Courier, DeliveryStatus
+from evolution_ingest.logic.routes_file import load_routes
+from evolution_ingest.operate.views import inbox_stats, rabbitmq_status
+from evolution_ingest.stores import migrations
+from evolution_ingest.stores.counters import BUCKETS, Counters, reraise_cancellation
+from evolution_ingest.stores.inbox import TABLE, PostgresInbox
 
 log = structlog.get_logger(__name__)
 

@@ -7,9 +7,9 @@ from contextlib import suppress
 
 import structlog
 
-from evolution_ingest.inbox import Claim, PostgresInbox, StoreUnavailable
-from evolution_ingest.locks import RedisLocks
-from evolution_ingest.metrics import Counters, reraise_cancellation
+from evolution_ingest.stores.counters import Counters, reraise_cancellation
+from evolution_ingest.stores.inbox import Claim, PostgresInbox, StoreUnavailable
+from evolution_ingest.stores.locks import RedisLocks
 
 log = structlog.get_logger(__name__)
 

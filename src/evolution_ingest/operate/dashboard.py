@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from evolution_ingest import codec
 from evolution_ingest.config import Settings
-from evolution_ingest.inbox import TABLE, PostgresInbox
-from evolution_ingest.inspection import inspect, refusal_report
-from evolution_ingest.metrics import Counters
-from evolution_ingest.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
-from evolution_ingest.refusals import RefusalLog
+from evolution_ingest.core import codec
+from evolution_ingest.operate.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
+from evolution_ingest.operate.views import inspect, refusal_report
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import TABLE, PostgresInbox
+from evolution_ingest.stores.refusals import RefusalLog
 
 _FAILURES: Final = f"""
 SELECT id, dedup_key, event, instance, attempts, last_error, last_attempt_at,
@@ -113,7 +113,9 @@ class Operator:
     async def get_dashboard(self, request: Request) -> Response:
         if refusal := self._refusal(request):
             return refusal
-        page = resources.files("evolution_ingest").joinpath("dashboard.html").read_text(encoding="utf-8")
+        page = (
+            resources.files("evolution_ingest.operate").joinpath("dashboard.html").read_text(encoding="utf-8")
+        )
         return HTMLResponse(page, headers={"cache-control": "no-store"})
 
     async def get_dashboard_data(self, request: Request) -> Response:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from evolution_ingest import codec
-from evolution_ingest.inbox import PostgresInbox
-from evolution_ingest.metrics import Counters
-from evolution_ingest.redaction import Redactor
+from evolution_ingest.core import codec
+from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import PostgresInbox
 
 REFUSALS: Final = "evolution_ingest_refusals"
 _MAX_REASON: Final = 2000

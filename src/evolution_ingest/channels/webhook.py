@@ -32,20 +32,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from evolution_ingest import codec
-from evolution_ingest.auth import (
+from evolution_ingest.channels.auth import (
     DEDUP_KEY_HEADER,
     INTERNAL_SECRET_HEADER,
     JWT_MIN_KEY_BYTES,
     EvolutionAuth,
     internal_refusal,
 )
-from evolution_ingest.body import BodyRejected, load_body, too_large
 from evolution_ingest.config import Settings
-from evolution_ingest.identity import Envelope, InvalidEvent
-from evolution_ingest.inbox import RowRejected, StoreUnavailable
-from evolution_ingest.ingestion import INTERNAL, Ingestion, Outcome, Result
-from evolution_ingest.refusals import Refusal, RefusalLog
+from evolution_ingest.core import codec
+from evolution_ingest.core.body import BodyRejected, load_body, too_large
+from evolution_ingest.core.identity import Envelope, InvalidEvent
+from evolution_ingest.core.ingestion import INTERNAL, Ingestion, Outcome, Result
+from evolution_ingest.stores.inbox import RowRejected, StoreUnavailable
+from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
 log = structlog.get_logger(__name__)
 

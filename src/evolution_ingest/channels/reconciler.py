@@ -31,13 +31,13 @@ from typing import Any, Final
 import asyncpg
 import structlog
 
-from evolution_ingest import codec
+from evolution_ingest.channels.forward import Delivery, Forwarder
 from evolution_ingest.config import Settings
-from evolution_ingest.forward import Delivery, Forwarder
-from evolution_ingest.identity import InvalidEvent, parse_envelope
-from evolution_ingest.inbox import CONNECTION_ERRORS, TABLE, PostgresInbox, StoreUnavailable
-from evolution_ingest.locks import PROCESSED, RedisLocks
-from evolution_ingest.metrics import Counters
+from evolution_ingest.core import codec
+from evolution_ingest.core.identity import InvalidEvent, parse_envelope
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import CONNECTION_ERRORS, TABLE, PostgresInbox, StoreUnavailable
+from evolution_ingest.stores.locks import PROCESSED, RedisLocks
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 
-from evolution_ingest import console, inspection, maintenance
 from evolution_ingest.assembly import (
     build_reconciler,
     forwarder,
@@ -21,7 +20,10 @@ from evolution_ingest.assembly import (
     run_async,
     unavailable_is_an_error,
 )
-from evolution_ingest.refusals import ReplayFilters
+from evolution_ingest.operate import actions as maintenance
+from evolution_ingest.operate import console
+from evolution_ingest.operate import views as inspection
+from evolution_ingest.stores.refusals import ReplayFilters
 
 
 @click.command()

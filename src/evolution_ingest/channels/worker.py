@@ -40,14 +40,14 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
-from evolution_ingest.body import BodyRejected, load_body
+from evolution_ingest.channels.forward import Delivery, Forwarder
+from evolution_ingest.channels.topology import Topology, declare
 from evolution_ingest.config import Settings
-from evolution_ingest.forward import Delivery, Forwarder
-from evolution_ingest.identity import Envelope, InvalidEvent
-from evolution_ingest.inbox import RowRejected, StoreUnavailable
-from evolution_ingest.ingestion import Ingestion, Outcome
-from evolution_ingest.refusals import Refusal, RefusalLog
-from evolution_ingest.topology import Topology, declare
+from evolution_ingest.core.body import BodyRejected, load_body
+from evolution_ingest.core.identity import Envelope, InvalidEvent
+from evolution_ingest.core.ingestion import Ingestion, Outcome
+from evolution_ingest.stores.inbox import RowRejected, StoreUnavailable
+from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
 log = structlog.get_logger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from evolution_ingest import codec
-from evolution_ingest.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
-from evolution_ingest.identity import Envelope
-from evolution_ingest.inbox import StoreUnavailable
-from evolution_ingest.ingestion import Ingestion, Outcome
+from evolution_ingest.channels.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
+from evolution_ingest.core import codec
+from evolution_ingest.core.identity import Envelope
+from evolution_ingest.core.ingestion import Ingestion, Outcome
+from evolution_ingest.stores.inbox import StoreUnavailable
 
 
 class Delivery(enum.StrEnum):

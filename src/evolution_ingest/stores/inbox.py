@@ -19,10 +19,10 @@ from typing import Any, Final
 import asyncpg
 import orjson
 
-from evolution_ingest import codec
-from evolution_ingest.batching import Batcher
-from evolution_ingest.events import Channel
-from evolution_ingest.identity import Envelope
+from evolution_ingest.core import codec
+from evolution_ingest.core.batching import Batcher
+from evolution_ingest.core.events import Channel
+from evolution_ingest.core.identity import Envelope
 
 TABLE: Final = "evolution_ingestion_events"
 _MAX_ERROR_CHARS: Final = 4000

@@ -17,15 +17,16 @@ from typing import Any, Final
 import aio_pika
 from aio_pika.abc import AbstractConnection
 
-from evolution_ingest import codec, migrations
+from evolution_ingest.channels.topology import Topology
+from evolution_ingest.channels.worker import BROKER_ERRORS
 from evolution_ingest.config import ConfigError, Settings
-from evolution_ingest.delivery import DeliveryLog
-from evolution_ingest.inbox import TABLE, PostgresInbox, StoreUnavailable
-from evolution_ingest.metrics import Counters
-from evolution_ingest.refusals import RefusalLog
-from evolution_ingest.routes import load_routes
-from evolution_ingest.topology import Topology
-from evolution_ingest.worker import BROKER_ERRORS
+from evolution_ingest.core import codec
+from evolution_ingest.logic.delivery import DeliveryLog
+from evolution_ingest.logic.routes_file import load_routes
+from evolution_ingest.stores import migrations
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import TABLE, PostgresInbox, StoreUnavailable
+from evolution_ingest.stores.refusals import RefusalLog
 
 _HEX: Final = re.compile(r"[0-9a-f]{8,64}")
 

@@ -31,8 +31,8 @@ from pydantic import (
 )
 
 from evolution_ingest.config import ENV_PREFIX, ConfigError
-from evolution_ingest.events import Event
-from evolution_ingest.identity import MESSAGE_EVENTS, normalize_event_name
+from evolution_ingest.core.events import Event
+from evolution_ingest.core.identity import MESSAGE_EVENTS, normalize_event_name
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from evolution_ingest import codec
+from evolution_ingest.core import codec
 
 
 class BodyRejected(Exception):

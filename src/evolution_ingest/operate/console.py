@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.syntax import Syntax
 from rich.table import Table
 
-from evolution_ingest.maintenance import as_json
+from evolution_ingest.operate.actions import as_json
 
 # Wide when piped, so that keys and errors stay on one line in logs and files.
 console = Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)

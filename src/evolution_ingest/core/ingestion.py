@@ -38,15 +38,15 @@ from typing import Final
 
 import structlog
 
-from evolution_ingest import codec
-from evolution_ingest.events import Channel, Event
-from evolution_ingest.handlers import HandlerPipeline
-from evolution_ingest.identity import Envelope, parse_envelope
-from evolution_ingest.inbox import Claim, PostgresInbox, SavedRow, StoreUnavailable
-from evolution_ingest.lease import Lease
-from evolution_ingest.locks import PROCESSED, Probe, RedisLocks
-from evolution_ingest.metrics import Counters
-from evolution_ingest.redaction import Redactor
+from evolution_ingest.core import codec
+from evolution_ingest.core.events import Channel, Event
+from evolution_ingest.core.identity import Envelope, parse_envelope
+from evolution_ingest.core.lease import Lease
+from evolution_ingest.core.pipeline import HandlerPipeline
+from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import Claim, PostgresInbox, SavedRow, StoreUnavailable
+from evolution_ingest.stores.locks import PROCESSED, Probe, RedisLocks
 
 log = structlog.get_logger(__name__)
 

@@ -17,12 +17,12 @@ from typing import Any
 import structlog
 from redis.asyncio import Redis
 
-from evolution_ingest.alerts import ConnectionMemory, Cooldowns, chat_message, render
-from evolution_ingest.delivery import Courier, DeliveryLog, DeliveryResult, DeliveryStatus
-from evolution_ingest.events import Event
-from evolution_ingest.inbox import PostgresInbox
-from evolution_ingest.metrics import Counters
-from evolution_ingest.routes import Destination, Route, RoutesFile
+from evolution_ingest.core.events import Event
+from evolution_ingest.logic.alerts import ConnectionMemory, Cooldowns, chat_message, render
+from evolution_ingest.logic.delivery import Courier, DeliveryLog, DeliveryResult, DeliveryStatus
+from evolution_ingest.logic.routes_file import Destination, Route, RoutesFile
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox import PostgresInbox
 
 log = structlog.get_logger(__name__)
 

@@ -31,8 +31,8 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from evolution_ingest.batching import Batcher
-from evolution_ingest.events import Channel
+from evolution_ingest.core.batching import Batcher
+from evolution_ingest.core.events import Channel
 
 log = structlog.get_logger(__name__)
 
