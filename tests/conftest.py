@@ -22,14 +22,15 @@ from redis.asyncio import Redis
 
 from evolution_ingest import logs
 from evolution_ingest.channels.forward import HttpForwarder
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.channels.webhook import create_app
 from evolution_ingest.channels.worker import Worker
 from evolution_ingest.config import LogFormat, Settings
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.operate.dashboard import Operator
-from evolution_ingest.runtime import Runtime, run_migrations
-from evolution_ingest.stores.inbox import init_connection
+from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores import run_migrations
+from evolution_ingest.stores.postgres import init_connection
+from evolution_ingest.stores.queues import Topology
 from tests.support import Recorder, fixtures, running_server
 from tests.support.evolution import remove, sweep_stale_queues
 from tests.support.proxy import TcpProxy
@@ -142,9 +143,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @asynccontextmanager
 async def serving(runtime: Runtime) -> AsyncIterator[str]:
     """The webhook app of ``runtime`` on a real port; yields its webhook URL."""
-    operator = Operator(runtime.inbox, runtime.counters, runtime.redis, runtime.settings, runtime.refusals)
+    operator = Operator(runtime.stores, runtime.settings)
     async with running_server(
-        create_app(runtime.ingestion, runtime.settings, runtime.refusals, operator.routes())
+        create_app(runtime.ingestion, runtime.settings, runtime.refusals, operator.endpoints())
     ) as base:
         yield base + "/api/internal/webhook"
 
@@ -194,9 +195,8 @@ async def worker_for(
     forwarder = HttpForwarder(
         forward_url, settings.internal_secret.get_secret_value(), timeout=settings.forward_timeout_seconds
     )
-    worker = Worker(
-        ingestion=runtime.ingestion, forwarder=forwarder, settings=settings, refusals=runtime.refusals
-    )
+    runtime.ingestion.forward_with(forwarder)  # as `worker` does: the webhook app is in another process
+    worker = Worker(ingestion=runtime.ingestion, settings=settings, refusals=runtime.refusals)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:

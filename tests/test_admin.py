@@ -13,10 +13,10 @@ import asyncpg
 import orjson
 import pytest
 
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.stores.inbox import TABLE
+from evolution_ingest.stores.queues import Topology
 from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving, worker_for
 from tests.support import Recorder, dead_port, fixture, fixtures, wait_until
 from tests.support.evolution import EvolutionPublisher, broker, depth, remove

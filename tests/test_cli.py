@@ -18,8 +18,8 @@ import pytest
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
+from evolution_ingest.stores.queues import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.support import dead_port, fixture, free_socket, wait_until
 from tests.support.evolution import EvolutionPublisher, broker, consumer_count, depth, remove

@@ -17,9 +17,8 @@ from evolution_ingest.core.identity import (
     dedup_key,
     normalize_event_name,
     parse_envelope,
-    webhook_suffix,
 )
-from tests.support import fixture, fixture_names, fixtures
+from tests.support import fixture, fixture_names, fixtures, webhook_suffix
 
 
 def key_of(body: dict[str, Any]) -> str:

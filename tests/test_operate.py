@@ -20,12 +20,13 @@ from bench.events import unique_event
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
 from evolution_ingest.core.events import Channel, Event
 from evolution_ingest.handlers import log_summary, log_with_text
-from evolution_ingest.operate.observe import GapWatcher, coverage, find_gaps
+from evolution_ingest.operate.coverage import coverage, find_gaps
+from evolution_ingest.operate.gaps import GapWatcher
 from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores.queues import Topology
 from tests.conftest import (
     DATABASE_URL,
     INTERNAL_SECRET,
@@ -254,7 +255,9 @@ async def _gap_scenario(
         running_service(runtime) as service,
     ):
         settings = runtime.settings
-        watchers = [GapWatcher(runtime.counters, runtime.redis, settings) for _ in range(2)]  # two replicas
+        watchers = [
+            GapWatcher(runtime.counters, runtime.redis, settings, None) for _ in range(2)
+        ]  # two replicas
         stop = asyncio.Event()
         tasks = [asyncio.create_task(w.run(stop)) for w in watchers]
         try:
@@ -354,12 +357,12 @@ async def test_coverage_counts_events_seen_on_both_channels_and_on_one(
                     await publisher.publish_global(rabbit, event)
 
             async def seen_all() -> bool:
-                report = await coverage(runtime.inbox, runtime.counters, settings)
+                report = await coverage(runtime.stores, settings)
                 entry = report["instances"].get("acme-cov", {})
                 return entry.get("both_channels") == 8 and entry.get("events") == 12
 
             await wait_until(seen_all, within=20, message="coverage of 12 events")
-        report = await coverage(runtime.inbox, runtime.counters, settings)
+        report = await coverage(runtime.stores, settings)
     entry = report["instances"]["acme-cov"]
     assert (entry["webhook_only"], entry["rabbitmq_only"], entry["both_share"]) == (2, 2, round(8 / 12, 4))
     assert all(0 <= entry["last_seen_seconds_ago"][ch] < 60 for ch in ("webhook", "rabbitmq"))
@@ -483,7 +486,7 @@ async def test_two_watchers_post_one_gap_alert_and_one_clearance_to_the_alert_we
         seen_key = settings.metrics_prefix + "last_seen"
         now = time.time()
         await redis.hset(seen_key, mapping={"acme-x\twebhook": now, "acme-x\trabbitmq": now - 60})
-        replicas = [GapWatcher(runtime.counters, redis, settings) for _ in range(2)]
+        replicas = [GapWatcher(runtime.counters, redis, settings, None) for _ in range(2)]
         outcomes = [await watcher.check() for watcher in (*replicas, *replicas)]
         assert sum(len(raised) for raised, _ in outcomes) == 1
         await redis.hset(seen_key, "acme-x\trabbitmq", time.time() + 1)  # RabbitMQ is back

@@ -17,8 +17,9 @@ import aiohttp
 import asyncpg
 import orjson
 
-from evolution_ingest.channels.forward import ForwardResult, HttpForwarder
-from evolution_ingest.channels.reconciler import Reconciler, Resender
+from evolution_ingest.channels.forward import HttpForwarder
+from evolution_ingest.channels.reconciler import Reconciler
+from evolution_ingest.core.contract import Result
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope, parse_envelope
 from evolution_ingest.runtime import Runtime
@@ -35,7 +36,7 @@ class CountingForwarder:
         self.inner = inner
         self.sent: Counter[str] = Counter()
 
-    async def forward(self, envelope: Envelope) -> ForwardResult:
+    async def forward(self, envelope: Envelope) -> Result:
         self.sent[envelope.dedup_key] += 1
         return await self.inner.forward(envelope)
 
@@ -46,16 +47,9 @@ class CountingForwarder:
 @asynccontextmanager
 async def reconciler_for(runtime: Runtime, url: str) -> AsyncIterator[tuple[Reconciler, CountingForwarder]]:
     forwarder = CountingForwarder(HttpForwarder(url, INTERNAL_SECRET, timeout=5))
-    settings = runtime.settings
-    resender = Resender(
-        inbox=runtime.inbox,
-        locks=runtime.locks,
-        forwarder=forwarder,
-        counters=runtime.counters,
-        max_attempts=settings.reconcile_max_attempts,
-    )
+    runtime.ingestion.forward_with(forwarder)  # as `reconcile` does: the webhook app is elsewhere
     reconciler = Reconciler(
-        resender=resender, inbox=runtime.inbox, counters=runtime.counters, settings=settings
+        ingestion=runtime.ingestion, reads=runtime.stores.reads, settings=runtime.settings
     )
     try:
         yield reconciler, forwarder

@@ -18,7 +18,7 @@ from evolution_ingest.config import ConfigError
 from evolution_ingest.core.events import Channel, Event
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.logic.routes_file import Route, load_routes
-from evolution_ingest.operate import views as inspection
+from evolution_ingest.operate import views
 from evolution_ingest.runtime import Runtime
 from tests.conftest import OpenRuntime, serving
 from tests.support import Recorder, fixture, fixtures, running_server
@@ -133,10 +133,8 @@ async def test_a_400_from_a_destination_is_permanent_and_not_retried(
             await runtime.counters.flush()
             totals = await runtime.counters.read(["route:crm:permanent", "route:crm:failed"])
             problems = await runtime.router.deliveries.problems()  # type: ignore[union-attr]
-            report = await inspection.status(
-                runtime.inbox, runtime.counters, runtime.settings, runtime.refusals
-            )
-            row = await inspection.inspect(runtime.inbox, parse_envelope(body).dedup_key)
+            report = await views.status(runtime.stores, runtime.settings, runtime.routes)
+            row = await views.inspect(runtime.stores, parse_envelope(body).dedup_key)
     assert first == (200, {"status": "processed", "dedup_key": parse_envelope(body).dedup_key})
     assert again[1]["reason"] == "duplicate"
     assert len(refusing.received) == 1

@@ -21,8 +21,8 @@ import asyncpg
 import jwt
 import orjson
 
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
+from evolution_ingest.stores.queues import Topology
 from tests.conftest import RABBITMQ_URL
 from tests.support import fixtures, free_socket, running_server, wait_until
 from tests.support.destination import Destination

@@ -11,10 +11,9 @@ import asyncpg
 import orjson
 import pytest
 
-from evolution_ingest.channels.topology import Topology
-from evolution_ingest.channels.worker import HEADER_ATTEMPTS, HEADER_ORIGIN, HEADER_PARKED_REASON
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores.queues import HEADER_ATTEMPTS, HEADER_ORIGIN, HEADER_PARKED_REASON, Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, OpenRuntime, running_service, serving, worker_for
 from tests.support import Recorder, dead_port, fixture, fixtures, wait_until
 from tests.support.evolution import (

@@ -1,63 +1,33 @@
-"""How the command line puts the parts together: settings from the environment, the event loop,
-the resources of a process and its components. The only place that reads the environment."""
+"""How a process is put together: its runtime, the forwarder its core uses, and its components
+(webhook app, worker, reconciler, gap watcher) running under one signal handler."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
 
 import aio_pika
 import click
 import structlog
-import uvloop
 
-from evolution_ingest import logs
-from evolution_ingest.channels.forward import Forwarder, HttpForwarder, InProcessForwarder
-from evolution_ingest.channels.reconciler import Reconciler, Resender
-from evolution_ingest.channels.topology import Topology, declare
+from evolution_ingest.channels.forward import HttpForwarder
+from evolution_ingest.channels.reconciler import Reconciler
+from evolution_ingest.channels.topology import declare
 from evolution_ingest.channels.webhook import create_app
-from evolution_ingest.channels.worker import BROKER_ERRORS, Worker
-from evolution_ingest.config import ConfigError, ForwardMode, Settings, unknown_variables
+from evolution_ingest.channels.worker import Worker
+from evolution_ingest.commandline import require_secret
+from evolution_ingest.config import ForwardMode, Settings
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.lifecycle import Component, run_components, webhook_component
 from evolution_ingest.operate.dashboard import Operator
-from evolution_ingest.operate.observe import GapWatcher
-from evolution_ingest.runtime import Runtime, run_migrations
-from evolution_ingest.stores.inbox import CONNECTION_ERRORS, StoreUnavailable
+from evolution_ingest.operate.gaps import GapWatcher
+from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores import run_migrations
+from evolution_ingest.stores.postgres import CONNECTION_ERRORS
+from evolution_ingest.stores.queues import BROKER_ERRORS, Topology
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
-
-
-def load_settings() -> Settings:
-    try:
-        settings = Settings.from_env()
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    logs.configure(settings.log_level, settings.log_format)
-    for variable in unknown_variables():
-        log.warning("unknown setting ignored", variable=variable)
-    return settings
-
-
-def run_async(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        try:
-            return runner.run(main())
-        except ConfigError as exc:
-            raise click.ClickException(str(exc)) from None
-
-
-def require_secret(settings: Settings) -> str:
-    if settings.internal_secret is None or not settings.internal_secret.get_secret_value():
-        raise ConfigError(
-            "EVOLUTION_INGEST_INTERNAL_SECRET: required to forward events to the webhook app "
-            "(worker, reconciler, replay); set the same value for the webhook app"
-        )
-    return settings.internal_secret.get_secret_value()
 
 
 async def apply_migrations(settings: Settings) -> None:
@@ -84,11 +54,14 @@ async def declare_topology(settings: Settings) -> Topology:
 
 
 @asynccontextmanager
-async def forwarder(settings: Settings, runtime: Runtime | None = None) -> AsyncIterator[Forwarder]:
-    """In-process when ``runtime`` also serves the webhook app (and the mode allows), else HTTP."""
-    if runtime is not None and settings.forward_mode is ForwardMode.AUTO:
+async def forwarding(runtime: Runtime, *, webhook_here: bool) -> AsyncIterator[None]:
+    """Give the runtime's core its way to the business logic: a direct call when this process
+    serves the webhook app (and the mode allows), else a forward over HTTP."""
+    settings = runtime.settings
+    if webhook_here and settings.forward_mode is ForwardMode.AUTO:
         log.info("forwards run in-process (the webhook app is in this process)")
-        yield InProcessForwarder(runtime.ingestion)
+        runtime.ingestion.forward_with(None)
+        yield
         return
     forwarder = HttpForwarder(
         settings.webhook_forward_url,
@@ -96,22 +69,11 @@ async def forwarder(settings: Settings, runtime: Runtime | None = None) -> Async
         timeout=settings.forward_timeout_seconds,
         concurrency=max(settings.worker_concurrency, settings.reconcile_concurrency),
     )
+    runtime.ingestion.forward_with(forwarder)
     try:
-        yield forwarder
+        yield
     finally:
         await forwarder.close()
-
-
-def build_reconciler(runtime: Runtime, sender: Forwarder) -> Reconciler:
-    settings = runtime.settings
-    resender = Resender(
-        inbox=runtime.inbox,
-        locks=runtime.locks,
-        forwarder=sender,
-        counters=runtime.counters,
-        max_attempts=settings.reconcile_max_attempts,
-    )
-    return Reconciler(resender=resender, inbox=runtime.inbox, counters=runtime.counters, settings=settings)
 
 
 def tune_gc() -> None:
@@ -132,40 +94,36 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
     async with Runtime.open(settings) as runtime:
         components: dict[str, Component] = {}
         if webhook:
-            operator = Operator(runtime.inbox, runtime.counters, runtime.redis, settings, runtime.refusals)
-            app = create_app(runtime.ingestion, settings, runtime.refusals, operator.routes())
+            operator = Operator(runtime.stores, settings)
+            app = create_app(runtime.ingestion, settings, runtime.refusals, operator.endpoints())
             components["webhook"] = webhook_component(app, settings)
             log.info("webhook app starting", host=settings.host, port=settings.port)
         if not (worker or reconciler):
             return await run_components(components)
-        async with forwarder(settings, runtime if webhook else None) as sender:
+        async with forwarding(runtime, webhook_here=webhook):
             if worker:
                 components["worker"] = Worker(
-                    ingestion=runtime.ingestion,
-                    forwarder=sender,
-                    settings=settings,
-                    refusals=runtime.refusals,
+                    ingestion=runtime.ingestion, settings=settings, refusals=runtime.refusals
                 ).run
             if reconciler:
-                components["reconciler"] = build_reconciler(runtime, sender).run
-                components["gap-watcher"] = GapWatcher(runtime.counters, runtime.redis, settings).run
+                components["reconciler"] = Reconciler(
+                    ingestion=runtime.ingestion, reads=runtime.stores.reads, settings=settings
+                ).run
+                components["gap-watcher"] = GapWatcher(
+                    runtime.counters, runtime.redis, settings, runtime.routes
+                ).run
             return await run_components(components)
 
 
-@asynccontextmanager
-async def operator_runtime(settings: Settings) -> AsyncIterator[Runtime]:
-    """Resources for operator commands: no business logic is loaded."""
-    async with Runtime.open(settings, pipeline=HandlerPipeline(())) as runtime:
-        yield runtime
+class Wiring:
+    """What the operator commands open (see :class:`evolution_ingest.operate.commands.Wiring`)."""
 
-
-def unavailable_is_an_error(
-    step: Callable[[], Coroutine[Any, Any, T]],
-) -> Callable[[], Coroutine[Any, Any, T]]:
-    async def run() -> T:
-        try:
-            return await step()
-        except StoreUnavailable as exc:
-            raise click.ClickException(f"{exc} (check EVOLUTION_INGEST_DATABASE_URL)") from None
-
-    return run
+    @asynccontextmanager
+    async def runtime(self, settings: Settings, *, forwards: bool = False) -> AsyncIterator[Runtime]:
+        """Resources for operator commands: no business logic, no routes; forwards over HTTP when asked."""
+        async with Runtime.open(settings, pipeline=HandlerPipeline(()), with_routes=False) as runtime:
+            if not forwards:
+                yield runtime
+                return
+            async with forwarding(runtime, webhook_here=False):
+                yield runtime

@@ -10,33 +10,25 @@ import click
 import structlog
 from pydantic import SecretStr
 
-from evolution_ingest.assembly import (
-    apply_migrations,
-    build_reconciler,
-    declare_topology,
-    forwarder,
-    load_settings,
-    operator_runtime,
-    require_secret,
-    run_async,
-    run_service,
-    unavailable_is_an_error,
-)
+from evolution_ingest.assembly import Wiring, apply_migrations, declare_topology, run_service
+from evolution_ingest.channels.reconciler import Reconciler
+from evolution_ingest.commandline import load_settings, require_secret, run_async, unavailable_is_an_error
 from evolution_ingest.config import ConfigError
-from evolution_ingest.operate import actions as maintenance
+from evolution_ingest.operate import actions, console
 from evolution_ingest.operate import commands as admin
-from evolution_ingest.operate import console
 
 log = structlog.get_logger(__name__)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="evolution-ingest")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Receive Evolution API events by webhook and RabbitMQ; run business logic once each.
 
     Settings come from EVOLUTION_INGEST_* environment variables (and a .env file).
     """
+    ctx.obj = Wiring()
 
 
 @main.command()
@@ -118,8 +110,10 @@ def reconcile(once: bool, as_json: bool) -> None:
     settings = load_settings()
 
     async def one_pass() -> dict[str, Any]:
-        async with operator_runtime(settings) as runtime, forwarder(settings) as sender:
-            reconciler = build_reconciler(runtime, sender)
+        async with Wiring().runtime(settings, forwards=True) as runtime:
+            reconciler = Reconciler(
+                ingestion=runtime.ingestion, reads=runtime.stores.reads, settings=settings
+            )
             try:
                 return (await reconciler.run_once()).as_dict()
             finally:
@@ -129,7 +123,7 @@ def reconcile(once: bool, as_json: bool) -> None:
         sys.exit(run_async(lambda: run_service(settings, webhook=False, worker=False, reconciler=True)))
     report = run_async(unavailable_is_an_error(one_pass))
     if as_json:
-        click.echo(maintenance.as_json(report))
+        click.echo(actions.as_json(report))
     else:
         console.render_reconcile(report)
 

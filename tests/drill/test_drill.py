@@ -18,8 +18,8 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from evolution_ingest.channels.topology import Topology
 from evolution_ingest.config import Settings
+from evolution_ingest.stores.queues import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.drill.conftest import EVENTS
 from tests.drill.harness import Count, Deployment, Evolution, deployed, replicas, send_all, settle

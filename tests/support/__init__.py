@@ -60,6 +60,12 @@ def variants(count: int, *, start: int = 0) -> list[dict[str, Any]]:
     return made
 
 
+def webhook_suffix(event: str) -> str:
+    """The path suffix Evolution appends with "webhook by events" on (its own rule:
+    dots and underscores become dashes): ``group-participants.update`` -> ``group-participants-update``."""
+    return event.replace(".", "-").replace("_", "-").lower()
+
+
 def stored_form(body: dict[str, Any]) -> dict[str, Any]:
     """A body as the inbox keeps it by default: its ``apikey`` redacted (see evolution_ingest.redaction)."""
     return Redactor().body(body)

@@ -14,7 +14,7 @@ import aio_pika
 import orjson
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
-from evolution_ingest.channels.topology import Topology, evolution_queue
+from evolution_ingest.stores.queues import Topology, evolution_queue
 from tests.support import wait_until
 
 QUORUM = {"x-queue-type": "quorum"}

@@ -24,6 +24,8 @@ INTERNAL_SECRET_HEADER: Final = "x-internal-webhook-secret"  # noqa: S105 - a he
 #: It keeps a forward tied to its row even if the stored copy differs from the original
 #: (a NUL replaced for jsonb), and spares the webhook app the hashing.
 DEDUP_KEY_HEADER: Final = "x-evolution-ingest-dedup-key"
+#: On the webhook app's answer to a forward: the core's outcome (processed, duplicate, locked...).
+OUTCOME_HEADER: Final = "x-evolution-ingest-outcome"
 #: RFC 7518 asks HS256 keys for at least as many bytes as the hash has.
 JWT_MIN_KEY_BYTES: Final = 32
 

@@ -1,61 +1,25 @@
 """Forwards of saved events to the webhook app (``already_saved: true`` + the internal secret).
 
-Used by the worker and the reconciler. The answer is classified once, here:
-``processed`` or ``duplicate`` mean done; ``locked`` means someone else is on it;
-anything else (a non-2xx, a timeout, a refused connection) is a failure to retry.
-
-Between processes the forward is HTTP (:class:`HttpForwarder`). When the worker
-runs in the same process as the webhook app (``up``), :class:`InProcessForwarder`
-calls the same code the webhook app runs for a forward — claim, business logic,
-outcomes, ``internal:*`` counters — without the HTTP round trip.
+Used by processes that do not serve the webhook app themselves (``worker``, ``reconcile``,
+``replay``): the core calls :meth:`HttpForwarder.forward` while it holds the event's
+lock. The webhook app says what came of a forward in the header
+``x-evolution-ingest-outcome`` (the core's own outcome), so the answer is read, not
+guessed; an answer without it (a 503, a proxy's error, a timeout, a refused
+connection) means the webhook app was not reached.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import aiohttp
 
-from evolution_ingest.channels.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER
+from evolution_ingest.channels.auth import DEDUP_KEY_HEADER, INTERNAL_SECRET_HEADER, OUTCOME_HEADER
 from evolution_ingest.core import codec
+from evolution_ingest.core.contract import Outcome, Result
 from evolution_ingest.core.identity import Envelope
-from evolution_ingest.core.ingestion import Ingestion, Outcome
-from evolution_ingest.stores.inbox import StoreUnavailable
 
-
-class Delivery(enum.StrEnum):
-    DONE = "done"
-    LOCKED = "locked"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardResult:
-    delivery: Delivery
-    #: HTTP status, when there was an answer.
-    status: int | None = None
-    #: Why it failed, for logs, headers and ``last_error``.
-    error: str | None = None
-
-
-class Forwarder(Protocol):
-    async def forward(self, envelope: Envelope) -> ForwardResult: ...
-
-    async def close(self) -> None: ...
-
-
-def classify(status: int, answer: Any) -> ForwardResult:
-    """Map the webhook app's answer to what the sender should do."""
-    if status == 200 and isinstance(answer, dict):
-        if answer.get("status") == "processed" or answer.get("reason") == "duplicate":
-            return ForwardResult(Delivery.DONE, status)
-        if answer.get("reason") == "locked":
-            return ForwardResult(Delivery.LOCKED, status)
-    detail = answer.get("detail") or answer.get("error") if isinstance(answer, dict) else None
-    return ForwardResult(Delivery.FAILED, status, f"HTTP {status}: {detail or answer!r}"[:1000])
+_OUTCOMES = {outcome.value: outcome for outcome in Outcome}
 
 
 class HttpForwarder:
@@ -71,27 +35,23 @@ class HttpForwarder:
             skip_auto_headers=("User-Agent",),
         )
 
-    @property
-    def url(self) -> str:
-        return self._url
-
-    async def forward(self, envelope: Envelope) -> ForwardResult:
+    async def forward(self, envelope: Envelope) -> Result:
         """Send a saved event (its body, and its inbox row's key) to the webhook app."""
+        key = envelope.dedup_key
         payload = codec.dumps({**envelope.body, "already_saved": True})
-        headers = {**self._headers, DEDUP_KEY_HEADER: envelope.dedup_key}
+        headers = {**self._headers, DEDUP_KEY_HEADER: key}
         try:
             async with self._session.post(self._url, data=payload, headers=headers) as response:
                 raw = await response.read()
+                outcome = _OUTCOMES.get(response.headers.get(OUTCOME_HEADER, ""))
                 status = response.status
         except TimeoutError:
-            return ForwardResult(Delivery.FAILED, None, f"timeout after {self._timeout.total}s")
+            return Result(Outcome.UNREACHABLE, key, error=f"timeout after {self._timeout.total}s")
         except (aiohttp.ClientError, OSError) as exc:
-            return ForwardResult(Delivery.FAILED, None, f"{type(exc).__name__}: {exc}"[:1000])
-        try:
-            answer = codec.loads(raw)
-        except codec.JsonRefused:
-            answer = raw[:200].decode(errors="replace")
-        return classify(status, answer)
+            return Result(Outcome.UNREACHABLE, key, error=f"{type(exc).__name__}: {exc}"[:1000])
+        if outcome in {Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.LOCKED}:
+            return Result(outcome, key)
+        return Result(outcome or Outcome.UNREACHABLE, key, error=f"HTTP {status}: {_detail(raw)}"[:1000])
 
     async def close(self) -> None:
         await self._session.close()
@@ -99,26 +59,12 @@ class HttpForwarder:
         await asyncio.sleep(0)
 
 
-class InProcessForwarder:
-    """The forward of ``up``: :meth:`Ingestion.process_saved` called directly (no HTTP hop)."""
-
-    def __init__(self, ingestion: Ingestion) -> None:
-        self._ingestion = ingestion
-
-    async def forward(self, envelope: Envelope) -> ForwardResult:
-        try:
-            result = await self._ingestion.process_saved(envelope)
-        except StoreUnavailable as exc:
-            return ForwardResult(Delivery.FAILED, 503, str(exc))
-        match result.outcome:
-            case Outcome.PROCESSED | Outcome.DUPLICATE:
-                return ForwardResult(Delivery.DONE, 200)
-            case Outcome.LOCKED:
-                return ForwardResult(Delivery.LOCKED, 200)
-            case Outcome.FAILED:
-                return ForwardResult(Delivery.FAILED, 500, f"HTTP 500: {result.error}")
-            case _:
-                return ForwardResult(Delivery.FAILED, 409, "HTTP 409: no inbox row for this event")
-
-    async def close(self) -> None:
-        return None
+def _detail(raw: bytes) -> str:
+    """What a failed answer says, for ``last_error`` and the retry headers."""
+    try:
+        answer = codec.loads(raw)
+    except codec.JsonRefused:
+        return repr(raw[:200].decode(errors="replace"))
+    if isinstance(answer, dict):
+        return str(answer.get("detail") or answer.get("error") or answer)
+    return repr(answer)

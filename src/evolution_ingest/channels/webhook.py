@@ -19,7 +19,6 @@ cannot be written, the answer is 503 so that Evolution sends the body again.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -30,21 +29,24 @@ import structlog
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive as AsgiReceive
+from starlette.types import Scope, Send
 
 from evolution_ingest.channels.auth import (
     DEDUP_KEY_HEADER,
     INTERNAL_SECRET_HEADER,
     JWT_MIN_KEY_BYTES,
+    OUTCOME_HEADER,
     EvolutionAuth,
     internal_refusal,
 )
 from evolution_ingest.config import Settings
 from evolution_ingest.core import codec
 from evolution_ingest.core.body import BodyRejected, load_body, too_large
+from evolution_ingest.core.contract import Outcome, Receive, Result, RunSaved
 from evolution_ingest.core.identity import Envelope, InvalidEvent
-from evolution_ingest.core.ingestion import INTERNAL, Ingestion, Outcome, Result
-from evolution_ingest.stores.inbox import RowRejected, StoreUnavailable
+from evolution_ingest.core.ingestion import INTERNAL, Ingestion
+from evolution_ingest.stores.postgres import StoreUnavailable
 from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
 log = structlog.get_logger(__name__)
@@ -89,12 +91,9 @@ class JsonAnswer:
             *((name.lower().encode(), value.encode()) for name, value in (headers or {}).items()),
         ]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: AsgiReceive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
-
-
-_json = JsonAnswer
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +111,11 @@ def _is_forward(body: Any) -> bool:
     return body["already_saved"]
 
 
-def _keyed(envelope: Envelope, key: str | None) -> Envelope:
-    """A forward names its inbox row; the header wins over the key computed from the body."""
-    if key is None:
-        return envelope
-    if not _HEX64.fullmatch(key):
+def _forward_key(key: str | None) -> str | None:
+    """A forward names its inbox row (trusted: the secret authenticates the caller)."""
+    if key is not None and not _HEX64.fullmatch(key):
         raise _Refused(400, f"{DEDUP_KEY_HEADER} must be 64 lowercase hex characters", "bad_forward")
-    return dataclasses.replace(envelope, dedup_key=key)
+    return key
 
 
 class WebhookApp:
@@ -143,7 +140,7 @@ class WebhookApp:
         except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
             self._counters.incr(f"{_CHANNEL}:errors")
             log.exception("unexpected error while ingesting", path=self._redact_url(request.url.path))
-            return _json(500, {"error": "internal error; the event was not acknowledged"})
+            return JsonAnswer(500, {"error": "internal error; the event was not acknowledged"})
 
     async def _receive(self, request: Request) -> JsonAnswer:
         started = time.perf_counter()
@@ -153,19 +150,17 @@ class WebhookApp:
             raw = await self._body(request)
             call = self._read(request, raw)
             channel = INTERNAL if call.internal else _CHANNEL
-            try:
-                if call.internal:
-                    result = await self._ingestion.process_saved(call.envelope)
-                else:
-                    result = await self._ingestion.receive(call.envelope)
-            except RowRejected as exc:
-                raise _Refused(422, exc.reason, exc.code, raw=raw) from None
+            result = await self._ingestion.ingest(
+                RunSaved(call.envelope) if call.internal else Receive(call.envelope)
+            )
+            if result.outcome is Outcome.REFUSED:
+                raise _Refused(422, result.error or "refused", result.code or "unstorable", raw=raw)
         except _Refused as refused:
             return await self._refuse(refused, request, raw or refused.raw)
         except StoreUnavailable as exc:
             return self._unavailable(channel, exc)
         except ClientDisconnect:
-            return _json(400, {"error": "the client went away"})
+            return JsonAnswer(400, {"error": "the client went away"})
         elapsed = time.perf_counter() - started
         self._counters.observe("webhook_seconds", elapsed)
         getattr(log, self._outcome_level)(
@@ -182,7 +177,9 @@ class WebhookApp:
     def _unavailable(self, channel: str, exc: StoreUnavailable) -> JsonAnswer:
         self._counters.incr(f"{channel}:unavailable")
         log.warning("answering 503, Postgres unavailable", error=str(exc))
-        return _json(503, {"error": "Postgres unavailable; retry later"}, {"Retry-After": self._retry_after})
+        return JsonAnswer(
+            503, {"error": "Postgres unavailable; retry later"}, {"Retry-After": self._retry_after}
+        )
 
     async def _refuse(self, refused: _Refused, request: Request, raw: bytes) -> JsonAnswer:
         """Keep the refused body, then answer the 4xx; 503 if it cannot be kept (Evolution retries)."""
@@ -200,7 +197,7 @@ class WebhookApp:
             "call refused", status=refused.status, code=refused.code, reason=refused.reason, path=path,
             refusal_id=refusal_id,
         )  # fmt: skip
-        return _json(
+        return JsonAnswer(
             refused.status, {"error": refused.reason, "code": refused.code, "refusal_id": refusal_id}
         )
 
@@ -214,12 +211,13 @@ class WebhookApp:
             refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
             if refusal:
                 raise _Refused(401, refusal, "unauthorized", f"{INTERNAL}:unauthorized")
+        key = _forward_key(request.headers.get(DEDUP_KEY_HEADER)) if internal else None
         try:
-            envelope = self._ingestion.envelope(body)
+            envelope = self._ingestion.envelope(body, dedup_key=key)
         except InvalidEvent as exc:
             raise _Refused(422 if exc.code in _UNACCEPTABLE else 400, exc.reason, exc.code) from None
         if internal:
-            return _Call(_keyed(envelope, request.headers.get(DEDUP_KEY_HEADER)), internal=True)
+            return _Call(envelope, internal=True)
         if self._auth.enabled:
             refusal = self._auth.refusal(
                 headers=request.headers,
@@ -267,33 +265,36 @@ class WebhookApp:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _answer(self, result: Result) -> JsonAnswer:
+        """The HTTP answer of a result; its outcome also in a header, for the forwarder."""
         key = result.dedup_key
+        said = {OUTCOME_HEADER: result.outcome.value}
         match result.outcome:
             case Outcome.PROCESSED:
-                return _json(200, {"status": "processed", "dedup_key": key})
+                return JsonAnswer(200, {"status": "processed", "dedup_key": key}, said)
             case Outcome.DUPLICATE | Outcome.LOCKED:
-                return _json(200, {"status": "skipped", "reason": result.outcome.value, "dedup_key": key})
+                return JsonAnswer(
+                    200, {"status": "skipped", "reason": result.outcome.value, "dedup_key": key}, said
+                )
             case Outcome.FAILED:
-                return _json(
-                    500,
-                    {
-                        "status": "failed",
-                        "error": "business logic failed; the event is saved and will be retried",
-                        "detail": (result.error or "")[:500],
-                        "dedup_key": key,
-                    },
-                )
+                failed = {
+                    "status": "failed",
+                    "error": "business logic failed; the event is saved and will be retried",
+                    "detail": (result.error or "")[:500],
+                    "dedup_key": key,
+                }
+                return JsonAnswer(500, failed, said)
             case Outcome.NOT_FOUND:
-                return _json(
-                    409,
-                    {"error": "no inbox row for this event: a forward must follow a save", "dedup_key": key},
-                )
-            case _:
+                missing = {
+                    "error": "no inbox row for this event: a forward must follow a save",
+                    "dedup_key": key,
+                }
+                return JsonAnswer(409, missing, said)
+            case _:  # a Receive or a RunSaved answers nothing else
                 raise AssertionError(f"unexpected outcome {result.outcome}")
 
 
 async def healthz(_: Request) -> JsonAnswer:
-    return _json(200, {"status": "ok"})
+    return JsonAnswer(200, {"status": "ok"})
 
 
 class IngestApp:
@@ -308,7 +309,7 @@ class IngestApp:
         self._webhook = webhook
         self.rest = rest
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: AsgiReceive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             params = webhook_path_params(scope["path"])
             if params is not None:

@@ -40,49 +40,58 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractIncomingMessage
 
-from evolution_ingest.channels.forward import Delivery, Forwarder
-from evolution_ingest.channels.topology import Topology, declare
+from evolution_ingest.channels.topology import declare
 from evolution_ingest.config import Settings
 from evolution_ingest.core.body import BodyRejected, load_body
+from evolution_ingest.core.contract import Outcome, Relay
+from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope, InvalidEvent
-from evolution_ingest.core.ingestion import Ingestion, Outcome
-from evolution_ingest.stores.inbox import RowRejected, StoreUnavailable
+from evolution_ingest.core.ingestion import Ingestion
+from evolution_ingest.stores.postgres import StoreUnavailable
+from evolution_ingest.stores.queues import (
+    BROKER_ERRORS,
+    HEADER_ATTEMPTS,
+    HEADER_BUSY,
+    HEADER_ERROR,
+    HEADER_ORIGIN,
+    HEADER_PARKED_AT,
+    HEADER_PARKED_REASON,
+    HEADER_ROUTING_KEY,
+    Topology,
+)
 from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
 log = structlog.get_logger(__name__)
 
-HEADER_ATTEMPTS: Final = "x-evolution-ingest-attempts"
-HEADER_BUSY: Final = "x-evolution-ingest-lock-busy"
-HEADER_ERROR: Final = "x-evolution-ingest-error"
-HEADER_ORIGIN: Final = "x-evolution-ingest-origin"
-HEADER_ROUTING_KEY: Final = "x-evolution-ingest-routing-key"
-HEADER_PARKED_REASON: Final = "x-evolution-ingest-parked-reason"
-HEADER_PARKED_AT: Final = "x-evolution-ingest-parked-at"
-
-#: Errors meaning "the broker connection or channel is gone".
-BROKER_ERRORS: Final = (
-    OSError,
-    TimeoutError,
-    aiormq.exceptions.AMQPError,
-    aio_pika.exceptions.AMQPException,
-    aio_pika.exceptions.ChannelInvalidStateError,
-)
 _RECONNECT_DELAYS: Final = (0.5, 1.0, 2.0, 5.0, 10.0)
 _NAME = "rabbitmq"
 
 
 class Action(enum.StrEnum):
+    """How a message is settled (see :meth:`Worker.settle`)."""
+
     ACK = "ack"
     BUSY = "busy"
     RETRY = "retry"
     PARK = "park"
 
 
+#: The settlement of each outcome of the core (a refusal is kept, then acked: see ``_refuse``).
+SETTLEMENT: Final = {
+    Outcome.PROCESSED: Action.ACK,
+    Outcome.DUPLICATE: Action.ACK,
+    Outcome.LOCKED: Action.BUSY,
+    Outcome.FAILED: Action.RETRY,
+    Outcome.UNREACHABLE: Action.RETRY,
+    Outcome.NOT_FOUND: Action.RETRY,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     action: Action
     reason: str | None = None
-    #: What happened, for the outcome log line: duplicate, locked, forwarded, forward_failed...
+    #: What happened, for the outcome log line: the core's outcome, or invalid / unavailable / error.
     outcome: str = ""
     envelope: Envelope | None = None
 
@@ -100,13 +109,10 @@ def _header_int(headers: dict[str, Any], name: str) -> int:
 class Worker:
     """Consumes Evolution's queues (and the service's ready queue) on one connection."""
 
-    def __init__(
-        self, *, ingestion: Ingestion, forwarder: Forwarder, settings: Settings, refusals: RefusalLog
-    ) -> None:
+    def __init__(self, *, ingestion: Ingestion, settings: Settings, refusals: RefusalLog) -> None:
         self._ingestion = ingestion
         self._refusals = refusals
         self._counters = ingestion.counters
-        self._forwarder = forwarder
         self._settings = settings
         self.topology = Topology(settings)
         self._slots = asyncio.Semaphore(settings.worker_concurrency)
@@ -231,16 +237,20 @@ class Worker:
                 if self._stopping:
                     return  # never started: the channel closes and RabbitMQ redelivers it
                 started = time.perf_counter()
-                decision = await self.decide(queue, message)
+                try:
+                    decision = await self.decide(queue, message)
+                except Exception as exc:  # the edge: log with the traceback, count, and retry it
+                    self._counters.incr(f"{_NAME}:errors")
+                    log.exception("unexpected error while handling a message", queue=queue)
+                    decision = Decision(
+                        Action.RETRY, f"unexpected error: {type(exc).__name__}: {exc}", "error"
+                    )
                 self._log_outcome(queue, decision, started)
                 try:
                     await self.settle(queue, message, decision)
                 except BROKER_ERRORS as exc:
                     self._counters.incr(f"{_NAME}:settle_failed")
                     log.warning("message not settled; RabbitMQ will redeliver it", error=repr(exc))
-        except Exception:  # the edge: log, count, leave unacked (redelivered after a reconnect)
-            self._counters.incr(f"{_NAME}:errors")
-            log.exception("unexpected error while handling a message", queue=queue)
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -281,28 +291,16 @@ class Worker:
             self._counters.incr(f"{_NAME}:invalid")
             return await self._refuse(queue, message, exc.code, f"not an Evolution event: {exc.reason}", None)
         try:
-            async with self._ingestion.hold(envelope) as held:
-                if held.outcome is Outcome.DUPLICATE:
-                    return Decision(Action.ACK, outcome="duplicate", envelope=envelope)
-                if held.outcome is Outcome.LOCKED:
-                    return Decision(Action.BUSY, outcome="locked", envelope=envelope)
-                result = await self._forwarder.forward(envelope)
-                if result.delivery is Delivery.DONE:
-                    held.processed = True
-                    self._counters.incr(f"{_NAME}:forward_ok")
-                    return Decision(Action.ACK, outcome="forwarded", envelope=envelope)
-                if result.delivery is Delivery.LOCKED:
-                    self._counters.incr(f"{_NAME}:forward_locked")
-                    return Decision(Action.BUSY, outcome="forward_locked", envelope=envelope)
-                self._counters.incr(f"{_NAME}:forward_fail")
-                log.warning("forward failed", dedup_key=envelope.dedup_key, error=result.error)
-                return Decision(Action.RETRY, result.error, "forward_failed", envelope)
-        except RowRejected as exc:
-            self._counters.incr(f"{_NAME}:invalid")
-            return await self._refuse(queue, message, exc.code, exc.reason, envelope)
+            result = await self._ingestion.ingest(Relay(envelope, Channel.RABBITMQ))
         except StoreUnavailable as exc:
             self._counters.incr(f"{_NAME}:unavailable")
             return Decision(Action.RETRY, str(exc), "unavailable", envelope)
+        if result.outcome is Outcome.REFUSED:
+            self._counters.incr(f"{_NAME}:invalid")
+            return await self._refuse(
+                queue, message, result.code or "unstorable", result.error or "refused", envelope
+            )
+        return Decision(SETTLEMENT[result.outcome], result.error, result.outcome.value, envelope)
 
     async def settle(self, queue: str, message: AbstractIncomingMessage, decision: Decision) -> None:
         """The one place a message is acknowledged, delayed, retried or parked."""

@@ -110,14 +110,6 @@ def normalize_event_name(name: str) -> str:
     return stripped.lower()
 
 
-def webhook_suffix(event: str) -> str:
-    """The path suffix Evolution appends with "webhook by events" on.
-
-    ``group-participants.update`` -> ``group-participants-update``.
-    """
-    return event.replace(".", "-").replace("_", "-").lower()
-
-
 def canonical_json(value: Any) -> bytes:
     """One byte string per JSON value, whatever its key order or whitespace."""
     return codec.canonical(value)
@@ -154,12 +146,17 @@ ERROR_EVENT: Final = "error"
 
 
 def parse_envelope(
-    body: object, redact: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    body: object,
+    redact: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    *,
+    key: str | None = None,
 ) -> Envelope:
     """Check that ``body`` is an Evolution event and compute its identity.
 
-    The key is computed from the body as received; ``redact`` then makes the copy that is
-    stored. Raises :class:`InvalidEvent` with a reason fit for a 4xx answer.
+    The key is computed from the body as received — unless ``key`` gives it: the key of
+    a saved row, carried by a forward or read from the inbox, names that row whatever its
+    stored copy looks like. ``redact`` then makes the copy that is stored. Raises
+    :class:`InvalidEvent` with a reason fit for a 4xx answer.
     """
     if not isinstance(body, dict):
         raise InvalidEvent(f"body must be a JSON object, not {_json_type(body)}")
@@ -182,10 +179,8 @@ def parse_envelope(
         raise InvalidEvent(f"field 'date_time' must be a string, not {_json_type(date_time)}")
     data = body["data"]
     stored = {k: v for k, v in body.items() if k not in SERVICE_FIELDS}
-    try:
-        key = dedup_key(event, instance, data, date_time)
-    except codec.JsonRefused as exc:
-        raise InvalidEvent(f"field 'data' cannot be identified: {exc.reason}", code=exc.code) from None
+    if key is None:
+        key = _identify(event, instance, data, date_time)
     if redact is not None:
         stored = redact(stored)
     return Envelope(
@@ -196,6 +191,13 @@ def parse_envelope(
         dedup_key=key,
         body=stored,
     )
+
+
+def _identify(event: str, instance: str, data: Any, date_time: str | None) -> str:
+    try:
+        return dedup_key(event, instance, data, date_time)
+    except codec.JsonRefused as exc:
+        raise InvalidEvent(f"field 'data' cannot be identified: {exc.reason}", code=exc.code) from None
 
 
 def _json_type(value: object) -> str:

@@ -8,8 +8,9 @@ from contextlib import suppress
 import structlog
 
 from evolution_ingest.stores.counters import Counters, reraise_cancellation
-from evolution_ingest.stores.inbox import Claim, PostgresInbox, StoreUnavailable
+from evolution_ingest.stores.inbox import Claim, PostgresInbox
 from evolution_ingest.stores.locks import RedisLocks
+from evolution_ingest.stores.postgres import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 

@@ -19,10 +19,10 @@ from redis.asyncio import Redis
 
 from evolution_ingest.core.events import Event
 from evolution_ingest.logic.alerts import ConnectionMemory, Cooldowns, chat_message, render
-from evolution_ingest.logic.delivery import Courier, DeliveryLog, DeliveryResult, DeliveryStatus
+from evolution_ingest.logic.courier import Courier
 from evolution_ingest.logic.routes_file import Destination, Route, RoutesFile
 from evolution_ingest.stores.counters import Counters
-from evolution_ingest.stores.inbox import PostgresInbox
+from evolution_ingest.stores.deliveries import DeliveryLog, DeliveryResult, DeliveryStatus
 
 log = structlog.get_logger(__name__)
 
@@ -35,10 +35,16 @@ class Router:
     """A business-logic handler (``await router(event)``) built from a routes file."""
 
     def __init__(
-        self, routes: RoutesFile, *, inbox: PostgresInbox, redis: Redis, counters: Counters, key_prefix: str
+        self,
+        routes: RoutesFile,
+        *,
+        deliveries: DeliveryLog,
+        redis: Redis,
+        counters: Counters,
+        key_prefix: str,
     ) -> None:
         self._routes = routes
-        self._deliveries = DeliveryLog(inbox)
+        self._deliveries = deliveries
         self._courier = Courier()
         self._cooldowns = Cooldowns(redis, key_prefix)
         self._connections = ConnectionMemory(redis, key_prefix)

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from evolution_ingest.config import ENV_PREFIX, ConfigError
+from evolution_ingest.config import ENV_PREFIX, ConfigError, Settings
 from evolution_ingest.core.events import Event
 from evolution_ingest.core.identity import MESSAGE_EVENTS, normalize_event_name
 
@@ -314,6 +314,19 @@ def _where(raw: Any, loc: list[Any]) -> str:
             else f"route #{loc[1] + 1}, field {field}"
         )
     return "field " + (".".join(str(part) for part in loc) or "(top level)")
+
+
+def configured_routes(settings: Settings) -> RoutesFile | None:
+    """The routes file of the settings, read and checked (``ConfigError`` names the route and field)."""
+    routes = load_routes(settings.routes_file) if settings.routes_file else None
+    if routes is not None and not settings.keep_apikey:
+        keeping = [r.name for r in routes.routes if any(d.include_apikey for d in r.forward)]
+        if keeping:
+            raise ConfigError(
+                f"{ENV_PREFIX}ROUTES_FILE: route(s) {', '.join(keeping)} set include_apikey, but the "
+                f"apikey is not kept: set {ENV_PREFIX}KEEP_APIKEY=true to store and forward it"
+            )
+    return routes
 
 
 def load_routes(path: Path) -> RoutesFile:

@@ -1,61 +1,77 @@
 """Operator commands: ``status``, ``check``, ``inspect``, ``replay`` and ``purge``.
 
-Readable output for a person, ``--json`` for scripts. The data comes from
-``inspection`` (read-only) and ``maintenance`` (changes); the rendering from ``console``.
+Readable output for a person, ``--json`` for scripts. The data comes from ``views`` and
+``checks`` (read-only) and ``actions`` (changes); the rendering from ``console``. What a
+command opens comes from the console script (:class:`Wiring`), so that this layer never
+reaches into a channel.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import click
 
-from evolution_ingest.assembly import (
-    build_reconciler,
-    forwarder,
-    load_settings,
-    operator_runtime,
-    run_async,
-    unavailable_is_an_error,
-)
-from evolution_ingest.operate import actions as maintenance
-from evolution_ingest.operate import console
-from evolution_ingest.operate import views as inspection
+from evolution_ingest.commandline import load_settings, run_async, unavailable_is_an_error
+from evolution_ingest.config import ConfigError, Settings
+from evolution_ingest.logic.routes_file import RoutesFile, configured_routes
+from evolution_ingest.operate import actions, checks, console, views
+from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores.inbox_reads import Filters
 from evolution_ingest.stores.refusals import ReplayFilters
+from evolution_ingest.stores.retention import Purge
+
+
+class Wiring(Protocol):
+    """What the console script gives the operator commands (``click`` context object)."""
+
+    def runtime(
+        self, settings: Settings, *, forwards: bool = False
+    ) -> AbstractAsyncContextManager[Runtime]: ...
+
+
+def _routes(settings: Settings) -> RoutesFile | None:
+    try:
+        return configured_routes(settings)
+    except ConfigError:  # `check` says what is wrong with it; `status` shows the rest
+        return None
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def status(as_json: bool) -> None:
+@click.pass_obj
+def status(wiring: Wiring, as_json: bool) -> None:
     """Events per channel, pending / stuck / failed, retry tiers and parking, and the counters."""
     settings = load_settings()
 
     async def gather() -> dict[str, Any]:
-        async with operator_runtime(settings) as runtime:
-            return await inspection.status(runtime.inbox, runtime.counters, settings, runtime.refusals)
+        async with wiring.runtime(settings) as runtime:
+            return await views.status(runtime.stores, settings, _routes(settings))
 
     report = run_async(gather)
     if as_json:
-        click.echo(maintenance.as_json(report))
+        click.echo(actions.as_json(report))
     else:
         console.render_status(report)
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check(as_json: bool) -> None:
+@click.pass_obj
+def check(wiring: Wiring, as_json: bool) -> None:
     """Can the service work here? Stores, migrations, queues and consumers, secrets. Exit 1 on a failure."""
     settings = load_settings()
 
     async def run_checks() -> list[dict[str, str]]:
-        async with operator_runtime(settings) as runtime:
-            return await inspection.check(runtime.inbox, runtime.counters, settings)
+        async with wiring.runtime(settings) as runtime:
+            return await checks.check(runtime.stores, settings)
 
     results = run_async(run_checks)
     if as_json:
-        click.echo(maintenance.as_json(results))
+        click.echo(actions.as_json(results))
     else:
         console.render_check(results)
     sys.exit(1 if any(result["state"] == "fail" for result in results) else 0)
@@ -64,8 +80,9 @@ def check(as_json: bool) -> None:
 @click.command()
 @click.argument("ref")
 @click.option("--json", "as_json", is_flag=True, help="Print the row as JSON.")
-@click.option("--show-apikey", is_flag=True, help="Show the stored apikey instead of redacting it.")
-def inspect(ref: str, as_json: bool, show_apikey: bool) -> None:
+@click.option("--show-apikey", is_flag=True, help="Show the stored apikey (kept only with KEEP_APIKEY).")
+@click.pass_obj
+def inspect(wiring: Wiring, ref: str, as_json: bool, show_apikey: bool) -> None:
     """One event: its row, channels, attempts, last error and stored payload.
 
     REF: a row id, a dedup key (or 8+ hex characters of one), or refusal:<id> for a refused body.
@@ -73,17 +90,15 @@ def inspect(ref: str, as_json: bool, show_apikey: bool) -> None:
     settings = load_settings()
 
     async def find() -> dict[str, Any]:
-        async with operator_runtime(settings) as runtime:
-            return await inspection.inspect(
-                runtime.inbox, ref, refusals=runtime.refusals, show_apikey=show_apikey
-            )
+        async with wiring.runtime(settings) as runtime:
+            return await views.inspect(runtime.stores, ref, show_apikey=show_apikey)
 
     try:
         row = run_async(unavailable_is_an_error(find))
     except (LookupError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(maintenance.as_json(row))
+        click.echo(actions.as_json(row))
     elif "refusal" in row:
         console.render_refusal(row["refusal"])
     else:
@@ -95,7 +110,7 @@ def _when(value: str | None) -> datetime | None:
     if value is None:
         return None
     try:
-        return datetime.now(UTC) - timedelta(seconds=maintenance.parse_age(value))
+        return datetime.now(UTC) - timedelta(seconds=actions.parse_age(value))
     except ValueError:
         pass
     try:
@@ -129,7 +144,9 @@ def _when(value: str | None) -> datetime | None:
 @click.option("--limit", type=click.IntRange(min=1), default=10_000, show_default=True)
 @click.option("--dry-run", is_flag=True, help="Show what would be replayed; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
 def replay(
+    wiring: Wiring,
     *,
     failed: bool,
     parked: bool,
@@ -146,20 +163,18 @@ def replay(
 ) -> None:
     """Send failed events and parked messages (and, with --refused, refused bodies) back through processing."""
     settings = load_settings()
-    filters = maintenance.Filters(event, instance, _when(since), _when(until))
-    report = maintenance.ReplayReport(dry_run=dry_run)
+    filters = Filters(event, instance, _when(since), _when(until))
+    report = actions.ReplayReport(dry_run=dry_run)
 
     async def run_replay() -> dict[str, Any]:
-        async with operator_runtime(settings) as runtime, forwarder(settings) as sender:
+        async with wiring.runtime(settings, forwards=True) as runtime:
             if failed:
-                rows = await maintenance.failed_rows(runtime.inbox, filters, limit)
-                with console.progress_bar("failed events", len(rows), enabled=not as_json) as advance:
-                    await maintenance.replay_failed(
-                        rows, build_reconciler(runtime, sender).resender, report, advance
-                    )
+                events = await runtime.stores.reads.failed(filters, limit)
+                with console.progress_bar("failed events", len(events), enabled=not as_json) as advance:
+                    await actions.replay_failed(runtime.ingestion, events, report, advance)
             if parked:
                 with console.progress_bar("parked messages", None, enabled=not as_json) as advance:
-                    await maintenance.replay_parked(settings, filters, report, limit, advance)
+                    await actions.replay_parked(settings, filters, report, limit, advance)
             if refused:
                 wanted = ReplayFilters(
                     codes=codes,
@@ -169,12 +184,15 @@ def replay(
                 )
                 found = await runtime.refusals.to_replay(wanted, limit)
                 with console.progress_bar("refused bodies", len(found), enabled=not as_json) as advance:
-                    await maintenance.replay_refused(runtime, sender, found, report, advance)
+                    await actions.replay_refused(
+                        runtime.ingestion, runtime.refusals, settings=settings, found=found, report=report,
+                        progress=advance,
+                    )  # fmt: skip
         return report.as_dict()
 
     result = run_async(unavailable_is_an_error(run_replay))
     if as_json:
-        click.echo(maintenance.as_json(result))
+        click.echo(actions.as_json(result))
     else:
         console.render_replay(result)
 
@@ -192,13 +210,21 @@ def replay(
 @click.option("--batch-size", type=click.IntRange(min=1, max=100_000), default=5_000, show_default=True)
 @click.option("--dry-run", is_flag=True, help="Count what would be purged; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
 def purge(
-    *, older_than: str, payload_only: bool, force: bool, batch_size: int, dry_run: bool, as_json: bool
+    wiring: Wiring,
+    *,
+    older_than: str,
+    payload_only: bool,
+    force: bool,
+    batch_size: int,
+    dry_run: bool,
+    as_json: bool,
 ) -> None:
     """Delete processed rows older than an age, in batches. Never an unprocessed row."""
     settings = load_settings()
     try:
-        age = maintenance.parse_age(older_than)
+        age = actions.parse_age(older_than)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--older-than") from None
     # Dropping payloads keeps the keys, so late copies are still recognised: no minimum then.
@@ -208,21 +234,22 @@ def purge(
             "(EVOLUTION_INGEST_PURGE_MIN_AGE_SECONDS): a late webhook retry of a purged event would run again. "
             "Use --payload-only (keeps the keys), or --force."
         )
-    report = maintenance.PurgeReport(dry_run=dry_run, payload_only=payload_only, older_than_seconds=age)
+    report = actions.PurgeReport(dry_run=dry_run, payload_only=payload_only, older_than_seconds=age)
 
     async def run_purge() -> dict[str, Any]:
-        async with operator_runtime(settings) as runtime:
-            total = await maintenance.purge_count(runtime.inbox, age, payload_only)
+        async with wiring.runtime(settings) as runtime:
+            purging = Purge(runtime.stores.db, payload_only=payload_only)
+            total = await purging.count(age)
             if dry_run:
                 report.rows = total
             else:
                 with console.progress_bar("purging", total, enabled=not as_json) as advance:
-                    await maintenance.purge(runtime.inbox, report, batch_size=batch_size, progress=advance)
+                    report.rows = await purging.run(age, batch_size=batch_size, progress=advance)
         return report.as_dict()
 
     result = run_async(unavailable_is_an_error(run_purge))
     if as_json:
-        click.echo(maintenance.as_json(result))
+        click.echo(actions.as_json(result))
     else:
         console.render_purge(result, older_than)
 

@@ -1,4 +1,4 @@
-"""The operator's routes of the webhook app: ``/metrics``, ``/readyz`` and ``/dashboard``.
+"""The operator's endpoints of the webhook app: ``/metrics``, ``/readyz`` and ``/dashboard``.
 
 ``/dashboard`` is off unless ``EVOLUTION_INGEST_DASHBOARD_TOKEN`` is set; it then asks for
 that token as the password of HTTP basic auth (any user name), or as a Bearer token.
@@ -13,27 +13,19 @@ import time
 from importlib import resources
 from typing import Any, Final
 
-from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from evolution_ingest.config import Settings
 from evolution_ingest.core import codec
-from evolution_ingest.operate.observe import CHANNELS, Cached, Metrics, Readiness, coverage, raised_gaps
-from evolution_ingest.operate.views import inspect, refusal_report
-from evolution_ingest.stores.counters import Counters
-from evolution_ingest.stores.inbox import TABLE, PostgresInbox
-from evolution_ingest.stores.refusals import RefusalLog
-
-_FAILURES: Final = f"""
-SELECT id, dedup_key, event, instance, attempts, last_error, last_attempt_at,
-       processed_at IS NOT NULL AS processed, failed_at IS NOT NULL AS given_up
-  FROM {TABLE}
- WHERE last_error IS NOT NULL
- ORDER BY last_attempt_at DESC NULLS LAST
- LIMIT 20
-"""
+from evolution_ingest.operate.cached import Cached
+from evolution_ingest.operate.coverage import CHANNELS, coverage, raised_gaps
+from evolution_ingest.operate.errors import STORE_ERRORS
+from evolution_ingest.operate.metrics import Metrics
+from evolution_ingest.operate.readiness import Readiness
+from evolution_ingest.operate.views import inspect, refusal_section
+from evolution_ingest.stores import Stores
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -68,24 +60,20 @@ _CHALLENGE: Final = {"WWW-Authenticate": 'Basic realm="evolution-ingest dashboar
 
 
 class Operator:
-    """What the routes read: the process's stores, through short caches."""
+    """What the endpoints read: the process's stores, through short caches."""
 
-    def __init__(
-        self, inbox: PostgresInbox, counters: Counters, redis: Redis, settings: Settings, refusals: RefusalLog
-    ) -> None:
-        self._inbox = inbox
-        self._refusals = refusals
-        self._counters = counters
+    def __init__(self, stores: Stores, settings: Settings) -> None:
+        self._stores = stores
+        self._counters = stores.counters
         self._settings = settings
-        self.metrics = Metrics(inbox, counters, redis, settings)
-        self.readiness = Readiness(inbox, redis, settings)
-        self._redis = redis
+        self.metrics = Metrics(stores, settings)
+        self.readiness = Readiness(stores, settings)
         self._auth = (
             DashboardAuth(settings.dashboard_token.get_secret_value()) if settings.dashboard_token else None
         )
         self._data = Cached(self._read_dashboard, settings.metrics_cache_seconds)
 
-    def routes(self) -> list[BaseRoute]:
+    def endpoints(self) -> list[BaseRoute]:
         return [
             Route("/metrics", self.get_metrics, methods=["GET"]),
             Route("/readyz", self.get_readyz, methods=["GET"]),
@@ -127,7 +115,7 @@ class Operator:
         if refusal := self._refusal(request):
             return refusal
         try:
-            return _json(await inspect(self._inbox, request.path_params["ref"]))
+            return _json(await inspect(self._stores, request.path_params["ref"]))
         except LookupError as exc:
             return _json({"error": str(exc)}, 404)
         except ValueError as exc:
@@ -136,7 +124,7 @@ class Operator:
     async def get_refusal(self, request: Request) -> Response:
         if refusal := self._refusal(request):
             return refusal
-        found = await self._refusals.get(request.path_params["refusal_id"])
+        found = await self._stores.refusals.get(request.path_params["refusal_id"])
         if found is None:
             return _json({"error": "no such refusal (kept ones only)"}, 404)
         return _json(found)
@@ -146,16 +134,15 @@ class Operator:
         try:
             data["counters"] = await self._counters.read()
             data["rates"] = {ch: await self._counters.read_rates(ch) for ch in CHANNELS}
-            data["gaps"] = await raised_gaps(self._redis, self._settings)
-        except Exception as exc:  # shown on the page: it must work when Redis is down
+            data["gaps"] = await raised_gaps(self._stores.redis, self._settings)
+        except STORE_ERRORS as exc:  # shown on the page: it must work when Redis is down
             data["redis_error"] = f"{type(exc).__name__}: {exc}"
-        data["coverage"] = await coverage(self._inbox, self._counters, self._settings)
+        data["coverage"] = await coverage(self._stores, self._settings)
         data["gap_after_seconds"] = self._settings.gap_alert_after_seconds
         data["inbox"], data["rabbitmq"] = await self.metrics.stores()
-        data["refusals"] = await refusal_report(self._refusals)
+        data["refusals"] = await refusal_section(self._stores.refusals)
         try:
-            async with self._inbox.connection() as conn:
-                data["failures"] = [dict(row) for row in await conn.fetch(_FAILURES)]
-        except Exception as exc:  # shown on the page
+            data["failures"] = await self._stores.reads.recent_failures()
+        except STORE_ERRORS as exc:  # shown on the page
             data["postgres_error"] = f"{type(exc).__name__}: {exc}"
         return data

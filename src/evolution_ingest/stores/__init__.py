@@ -1,0 +1,106 @@
+"""The stores: Postgres (the inbox, its read side, refusals, deliveries), Redis (locks, counters)
+and RabbitMQ's queues. The only modules that write SQL. :class:`Stores` opens them together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import asyncpg
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from evolution_ingest.config import Settings
+from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.stores import migrations
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.deliveries import DeliveryLog
+from evolution_ingest.stores.inbox import PostgresInbox
+from evolution_ingest.stores.inbox_reads import InboxReads
+from evolution_ingest.stores.locks import RedisLocks
+from evolution_ingest.stores.postgres import Postgres, create_pool
+from evolution_ingest.stores.refusals import RefusalLog
+
+_CLOSE_TIMEOUT = 10.0
+
+
+def redis_client(settings: Settings) -> Redis:
+    """A client that fails fast: a slow or dead Redis must not hold requests up."""
+    return Redis.from_url(
+        settings.redis_url,
+        socket_timeout=settings.redis_timeout_seconds,
+        socket_connect_timeout=settings.redis_timeout_seconds,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+@dataclass(slots=True)
+class Stores:
+    """Every store of one process, sharing one Postgres pool and one Redis client."""
+
+    db: Postgres
+    redis: Redis
+    counters: Counters
+    locks: RedisLocks
+    inbox: PostgresInbox
+    reads: InboxReads
+    refusals: RefusalLog
+    deliveries: DeliveryLog
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, settings: Settings, redactor: Redactor) -> AsyncIterator[Stores]:
+        """Open everything (Postgres lazily: the app can start, and answer 503, while it is down);
+        on exit, flush the counters and close the connections."""
+        pool = await create_pool(
+            settings.database_url,
+            schema=settings.database_schema,
+            size=settings.database_pool_size,
+            command_timeout=settings.database_timeout_seconds,
+            connect_timeout=settings.database_timeout_seconds,
+            application_name=settings.database_application_name,
+        )
+        db = Postgres(pool, acquire_timeout=settings.database_timeout_seconds)
+        redis = redis_client(settings)
+        counters = Counters(
+            redis, prefix=settings.metrics_prefix, flush_interval=settings.metrics_flush_seconds
+        )
+        stores = cls(
+            db=db,
+            redis=redis,
+            counters=counters,
+            locks=RedisLocks(
+                redis,
+                prefix=settings.redis_key_prefix,
+                lock_ttl=settings.lock_ttl_seconds,
+                seen_ttl=settings.seen_ttl_seconds,
+            ),
+            inbox=PostgresInbox(db, batch_concurrency=settings.database_batch_concurrency),
+            reads=InboxReads(db, schema=settings.database_schema),
+            refusals=RefusalLog(
+                db, redactor, counters, max_bytes=settings.refusal_max_bytes, keep=settings.refusals_keep
+            ),
+            deliveries=DeliveryLog(db),
+        )
+        flusher = asyncio.create_task(counters.run(), name="counters-flush")
+        try:
+            yield stores
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await counters.close()
+            await redis.aclose()
+            await db.close(_CLOSE_TIMEOUT)
+
+
+async def run_migrations(settings: Settings) -> list[migrations.Migration]:
+    """Apply pending migrations with a dedicated connection."""
+    conn = await asyncpg.connect(settings.database_url, timeout=settings.database_timeout_seconds)
+    try:
+        return await migrations.migrate(conn, settings.database_schema)
+    finally:
+        await conn.close()

@@ -8,63 +8,21 @@ lease) is what keeps business logic to once per event when Redis cannot help.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
 import asyncpg
-import orjson
 
 from evolution_ingest.core import codec
 from evolution_ingest.core.batching import Batcher
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope
+from evolution_ingest.stores.postgres import Postgres, RowRejected, row_level
 
 TABLE: Final = "evolution_ingestion_events"
 _MAX_ERROR_CHARS: Final = 4000
-
-#: Errors meaning "Postgres is unreachable right now", as opposed to a bad statement.
-CONNECTION_ERRORS: Final = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.OperatorInterventionError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.TooManyConnectionsError,
-    asyncpg.exceptions.InsufficientResourcesError,
-    # The client's own protocol state went wrong (seen when backends are terminated while
-    # statements run): the connection is dropped (see ``connection``) and the step retried.
-    asyncpg.exceptions.InternalClientError,
-)
-
-
-class StoreUnavailable(Exception):
-    """Postgres cannot be reached; the caller answers 503 or retries later."""
-
-
-class RowRejected(Exception):
-    """Postgres refused this one event's row (its data, not the connection): a 4xx, never a retry."""
-
-    def __init__(self, reason: str, code: str = "unstorable") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.code = code
-
-
-#: SQLSTATE classes of errors caused by a row's values: data exception, integrity
-#: constraint violation, program limit exceeded (an index entry too large).
-_ROW_LEVEL_CLASSES: Final = frozenset({"22", "23", "54"})
-
-
-def row_level(exc: BaseException) -> bool:
-    """True when a batch statement failed because of (at least) one of its rows."""
-    sqlstate = getattr(exc, "sqlstate", None)
-    return isinstance(exc, asyncpg.PostgresError) and str(sqlstate or "")[:2] in _ROW_LEVEL_CLASSES
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +48,6 @@ class SavedRow:
     processed: bool
     #: True when the caller's claim was granted (it may run business logic).
     claimed: bool
-    #: True when this call inserted the row (first copy of the event).
-    inserted: bool = False
 
 
 _CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_until < now()))"
@@ -119,7 +75,7 @@ ON CONFLICT (dedup_key) DO UPDATE SET
     claimed_until = CASE WHEN EXCLUDED.claim_token IS NOT NULL AND {_CLAIMABLE}
                          THEN EXCLUDED.claimed_until ELSE e.claimed_until END
 RETURNING dedup_key, id, channel, received_at, attempts, processed_at IS NOT NULL AS processed,
-          claim_token, xmax = 0 AS inserted
+          claim_token
 """
 
 _CLAIM_SAVED = f"""
@@ -163,6 +119,15 @@ UPDATE {TABLE} SET claimed_until = now() + make_interval(secs => $3)
 WHERE id = $1 AND claim_token = $2 AND processed_at IS NULL
 """
 
+_NOTE_ERROR = f"""
+UPDATE {TABLE} SET last_error = $2 WHERE id = $1 AND processed_at IS NULL
+"""
+
+_GIVE_UP = f"""
+UPDATE {TABLE} SET failed_at = now()
+WHERE id = $1 AND processed_at IS NULL AND failed_at IS NULL AND attempts >= $2
+"""
+
 _RECORD_FAILURE = f"""
 UPDATE {TABLE} SET attempts = attempts + 1, last_error = $2, last_attempt_at = now(),
     claim_token   = CASE WHEN claim_token = $3 THEN NULL ELSE claim_token END,
@@ -193,7 +158,6 @@ def _row(record: asyncpg.Record, token: uuid.UUID | None) -> SavedRow:
         attempts=record["attempts"],
         processed=record["processed"],
         claimed=token is not None and record["claim_token"] == token,
-        inserted=record.get("inserted", False),
     )
 
 
@@ -205,11 +169,8 @@ class PostgresInbox:
     many events, which is what lets the service outrun one statement per event.
     """
 
-    def __init__(
-        self, pool: asyncpg.Pool, *, acquire_timeout: float = 5.0, batch_concurrency: int = 4
-    ) -> None:
-        self._pool = pool
-        self._acquire_timeout = acquire_timeout
+    def __init__(self, db: Postgres, *, batch_concurrency: int = 4) -> None:
+        self._db = db
         self._saves: Batcher[_Save, SavedRow] = Batcher(
             self._save_batch,
             key=lambda s: s.envelope.dedup_key,
@@ -230,33 +191,11 @@ class PostgresInbox:
             isolate=row_level,
         )
 
-    @property
-    def pool(self) -> asyncpg.Pool:
-        return self._pool
-
-    @asynccontextmanager
-    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[asyncpg.Record]]:
-        """A pooled connection; connection failures become :class:`StoreUnavailable`."""
-        try:
-            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-                try:
-                    yield conn
-                except asyncpg.exceptions.InternalClientError:
-                    conn.terminate()  # never hand a connection in a broken state to the next user
-                    raise
-        except CONNECTION_ERRORS as exc:
-            # One dead connection usually means all of them (a restart, terminated backends):
-            # have every idle one replaced, so that the next tries do not draw them one by one.
-            with contextlib.suppress(Exception):
-                await self._pool.expire_connections()
-            raise StoreUnavailable(f"Postgres unreachable: {exc!r}") from exc
-
     async def _batch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         """Run a batch statement, retrying once if Postgres picked it as a deadlock victim."""
         for attempt in (1, 2):
             try:
-                async with self.connection() as conn:
-                    return list(await conn.fetch(query, *args))
+                return await self._db.fetch(query, *args)
             except asyncpg.exceptions.DeadlockDetectedError:
                 if attempt == 2:
                     raise
@@ -333,20 +272,25 @@ class PostgresInbox:
 
     async def renew(self, row_id: int, claim: Claim) -> bool:
         """Extend a claim still held; False when it was lost or the row is done."""
-        async with self.connection() as conn:
-            status = await conn.execute(_RENEW, row_id, claim.token, claim.lease_seconds)
-        return bool(status == "UPDATE 1")
+        return await self._db.execute(_RENEW, row_id, claim.token, claim.lease_seconds) == "UPDATE 1"
 
     async def record_failure(self, row_id: int, claim: Claim, error: str) -> None:
         """Count a failed attempt, keep its error, and give the claim back."""
-        async with self.connection() as conn:
-            await conn.execute(_RECORD_FAILURE, row_id, codec.label(error[:_MAX_ERROR_CHARS]), claim.token)
+        await self._db.execute(_RECORD_FAILURE, row_id, codec.label(error[:_MAX_ERROR_CHARS]), claim.token)
 
-    async def fetch(self, dedup_key: str) -> dict[str, Any] | None:
-        """The whole row for a key (tests and ``inspect``)."""
-        async with self.connection() as conn:
-            record = await conn.fetchrow(f"SELECT * FROM {TABLE} WHERE dedup_key = $1", dedup_key)
-        return None if record is None else dict(record)
+    # --- re-sending saved events (reconciler, replay) --------------------------------------
+    async def note_error(self, row_id: int, error: str) -> None:
+        """Keep why a re-send failed, without counting an attempt (nothing ran)."""
+        await self._db.execute(_NOTE_ERROR, row_id, codec.label(error[:_MAX_ERROR_CHARS]))
+
+    async def attempts(self, row_id: int) -> int | None:
+        """Business-logic attempts of a row so far (None: no such row)."""
+        value = await self._db.fetchval(f"SELECT attempts FROM {TABLE} WHERE id = $1", row_id)
+        return None if value is None else int(value)
+
+    async def give_up(self, row_id: int, max_attempts: int) -> bool:
+        """Mark a row failed once it has had ``max_attempts``; True when this call marked it."""
+        return await self._db.execute(_GIVE_UP, row_id, max_attempts) == "UPDATE 1"
 
     def batch_sizes(self) -> dict[str, float]:
         """Average events per statement so far, per kind of batch (benchmarks, debugging)."""
@@ -359,43 +303,3 @@ class PostgresInbox:
         """Wait for batched writes in flight (at shutdown)."""
         for batcher in (self._saves, self._claims, self._marks, self._seen):
             await batcher.drain()
-
-
-async def init_connection(conn: asyncpg.Connection) -> None:
-    await conn.set_type_codec(
-        "jsonb",
-        schema="pg_catalog",
-        encoder=lambda value: value if isinstance(value, str) else orjson.dumps(value).decode(),
-        decoder=orjson.loads,
-        format="text",
-    )
-
-
-async def _keep_session(conn: asyncpg.Connection) -> None:
-    """Nothing to reset between uses: pooled connections change no session state (no SET,
-    LISTEN, cursors or advisory locks), so the default reset query would be a wasted round trip.
-    An open transaction is still rolled back by the pool before this is called."""
-
-
-async def create_pool(
-    dsn: str,
-    *,
-    schema: str,
-    size: int,
-    command_timeout: float,
-    connect_timeout: float,
-    application_name: str = "evolution-ingest",
-) -> asyncpg.Pool:
-    """A pool that connects lazily, so the app can start (and answer 503) while Postgres is down."""
-    pool = await asyncpg.create_pool(
-        dsn,
-        min_size=0,
-        max_size=size,
-        command_timeout=command_timeout,
-        timeout=connect_timeout,
-        init=init_connection,
-        reset=_keep_session,
-        server_settings={"search_path": schema, "application_name": application_name},
-    )
-    assert pool is not None
-    return pool

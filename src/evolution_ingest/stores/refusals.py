@@ -21,7 +21,7 @@ from typing import Any, Final
 from evolution_ingest.core import codec
 from evolution_ingest.core.redaction import Redactor
 from evolution_ingest.stores.counters import Counters
-from evolution_ingest.stores.inbox import PostgresInbox
+from evolution_ingest.stores.postgres import Postgres
 
 REFUSALS: Final = "evolution_ingest_refusals"
 _MAX_REASON: Final = 2000
@@ -80,9 +80,9 @@ class RefusalLog:
     """The refusals table, written by the channels and read by the operator's views."""
 
     def __init__(
-        self, inbox: PostgresInbox, redactor: Redactor, counters: Counters, *, max_bytes: int, keep: int
+        self, db: Postgres, redactor: Redactor, counters: Counters, *, max_bytes: int, keep: int
     ) -> None:
-        self._inbox = inbox
+        self._db = db
         self._redactor = redactor
         self._counters = counters
         self._max_bytes = max_bytes
@@ -111,19 +111,18 @@ class RefusalLog:
             body = self._redacted(refusal.body)
         truncated = len(refusal.body) > self._max_bytes or len(body) > self._max_bytes
         body = body[: self._max_bytes]
-        async with self._inbox.connection() as conn:
-            row = await conn.fetchrow(
-                _RECORD,
-                refusal.source,
-                refusal.status,
-                refusal.code,
-                codec.label(refusal.reason[:_MAX_REASON]),
-                codec.label(self._redactor.url(refusal.origin)) if refusal.origin else None,
-                body,
-                len(refusal.body),
-                truncated,
-                self._keep,
-            )
+        row = await self._db.fetchrow(
+            _RECORD,
+            refusal.source,
+            refusal.status,
+            refusal.code,
+            codec.label(refusal.reason[:_MAX_REASON]),
+            codec.label(self._redactor.url(refusal.origin)) if refusal.origin else None,
+            body,
+            len(refusal.body),
+            truncated,
+            self._keep,
+        )
         assert row is not None
         self._counters.incr("refusals:recorded")
         self._counters.incr(f"refusal:{refusal.source}:{refusal.code}")
@@ -132,21 +131,18 @@ class RefusalLog:
         return int(row["id"])
 
     async def summary(self) -> dict[str, Any]:
-        async with self._inbox.connection() as conn:
-            totals = await conn.fetchrow(_SUMMARY)
-            by_code = await conn.fetch(_BY_CODE)
+        totals = await self._db.fetchrow(_SUMMARY)
+        by_code = await self._db.fetch(_BY_CODE)
         assert totals is not None
         return {**dict(totals), "keep": self._keep, "last_24h_by_code": [dict(r) for r in by_code]}
 
     async def recent(self, limit: int = 20) -> list[dict[str, Any]]:
-        async with self._inbox.connection() as conn:
-            records = await conn.fetch(f"SELECT {_COLUMNS} FROM {REFUSALS} ORDER BY id DESC LIMIT $1", limit)
+        records = await self._db.fetch(f"SELECT {_COLUMNS} FROM {REFUSALS} ORDER BY id DESC LIMIT $1", limit)
         return [dict(r) for r in records]
 
     async def get(self, refusal_id: int) -> dict[str, Any] | None:
         """One refusal with its body (as text when it is UTF-8, else ``body_hex``)."""
-        async with self._inbox.connection() as conn:
-            record = await conn.fetchrow(f"SELECT {_COLUMNS}, body FROM {REFUSALS} WHERE id = $1", refusal_id)
+        record = await self._db.fetchrow(f"SELECT {_COLUMNS}, body FROM {REFUSALS} WHERE id = $1", refusal_id)
         if record is None:
             return None
         row = dict(record)
@@ -179,14 +175,12 @@ class RefusalLog:
             f"SELECT id, source, body, truncated FROM {REFUSALS} WHERE {' AND '.join(clauses)} "
             f"ORDER BY id LIMIT ${len(args)}"
         )
-        async with self._inbox.connection() as conn:
-            records = await conn.fetch(query, *args)
+        records = await self._db.fetch(query, *args)
         return [(r["id"], r["source"], bytes(r["body"]), r["truncated"]) for r in records]
 
     async def mark_replayed(self, refusal_id: int, outcome: str) -> None:
-        async with self._inbox.connection() as conn:
-            await conn.execute(
-                f"UPDATE {REFUSALS} SET replayed_at = now(), replay_outcome = $2 WHERE id = $1",
-                refusal_id,
-                codec.label(outcome[:_MAX_REASON]),
-            )
+        await self._db.execute(
+            f"UPDATE {REFUSALS} SET replayed_at = now(), replay_outcome = $2 WHERE id = $1",
+            refusal_id,
+            codec.label(outcome[:_MAX_REASON]),
+        )
