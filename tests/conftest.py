@@ -77,7 +77,7 @@ def make_settings(uid: str) -> Callable[..., Settings]:
             "ready_cache_seconds": 0.0,
         }
         values.update(overrides)
-        return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+        return Settings(_env_file=None, **values)  # type: ignore[call-arg]  # a pydantic-settings argument, not a field
 
     return make
 

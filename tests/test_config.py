@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from evolution_ingest.config import ConfigError, Settings, WebhookAuth, unknown_variables
+from evolution_ingest.config import ENV_PREFIX, ConfigError, Settings, WebhookAuth, unknown_variables
 from evolution_ingest.core.pipeline import DEFAULT_HANDLER, HandlerPipeline, load_handler
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test sees only the variables it sets: not the shell's, nor a .env file in the work tree."""
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
 
 
 def test_defaults_point_at_the_standard_local_ports(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,8 +46,8 @@ def test_values_come_from_the_environment_and_lists_are_comma_separated(
     assert settings.auth_methods == {WebhookAuth.JWT, WebhookAuth.URL_TOKEN}
 
 
-def test_a_dotenv_file_is_read(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
+def test_a_dotenv_file_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = tmp_path / ".env"
     env.write_text("EVOLUTION_INGEST_PORT=7070\nUNRELATED=1\n")
     assert Settings.from_env(_env_file=env).port == 7070
 

@@ -132,7 +132,8 @@ async def test_a_400_from_a_destination_is_permanent_and_not_retried(
             again = await post(http, url, body)
             await runtime.counters.flush()
             totals = await runtime.counters.read(["route:crm:permanent", "route:crm:failed"])
-            problems = await runtime.router.deliveries.problems()  # type: ignore[union-attr]
+            assert runtime.router is not None
+            problems = await runtime.router.deliveries.problems()
             report = await views.status(runtime.stores, runtime.settings, runtime.routes)
             row = await views.inspect(runtime.stores, parse_envelope(body).dedup_key)
     assert first == (200, {"status": "processed", "dedup_key": parse_envelope(body).dedup_key})

@@ -102,7 +102,7 @@ def webhook_component(app: ASGIApp, settings: Settings) -> Component:
         )
         server = uvicorn.Server(config)
         # Signals belong to run_components; uvicorn would re-raise them after its shutdown.
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]  # replacing uvicorn's signal capture is the point
         serving = asyncio.create_task(_serve(server))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +22,7 @@ from bench.events import unique_event
 from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import parse_envelope
 from tests.conftest import RABBITMQ_URL
-from tests.support import free_socket, wait_until
+from tests.support import eventually, free_socket, wait_until
 from tests.support.evolution import consumer_count
 from tests.test_cli import env_for, healthy
 
@@ -196,6 +196,8 @@ class Count:
     sent: int
     completed: dict[str, int]
     keys: list[str]
+    #: Everything came to rest: nothing was left that could run an event again.
+    settled: bool = True
 
     @property
     def lost(self) -> int:
@@ -206,13 +208,38 @@ class Count:
         return sum(1 for key in self.keys if self.completed.get(key, 0) > 1)
 
 
-def completions(trace_dir: Path) -> dict[str, int]:
-    counted: dict[str, int] = {}
+def _traces(trace_dir: Path) -> Iterator[tuple[int, str, str]]:
+    """(pid, what, dedup key) of every trace line: ``start``, ``done`` or ``fail``."""
     for path in trace_dir.glob("trace-*.txt"):
+        pid = int(path.stem.removeprefix("trace-"))
         for line in path.read_text(encoding="ascii").splitlines():
-            key = line.split(" ", 1)[0]
+            what, key, _ = line.split(" ", 2)
+            yield pid, what, key
+
+
+def completions(trace_dir: Path) -> dict[str, int]:
+    """How many times the business logic of each event completed."""
+    counted: dict[str, int] = {}
+    for _, what, key in _traces(trace_dir):
+        if what == "done":
             counted[key] = counted.get(key, 0) + 1
     return counted
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def in_flight(trace_dir: Path) -> int:
+    """Runs of the business logic started and not ended, in processes still alive."""
+    open_runs: dict[tuple[int, str], int] = {}
+    for pid, what, key in _traces(trace_dir):
+        open_runs[pid, key] = open_runs.get((pid, key), 0) + (1 if what == "start" else -1)
+    return sum(runs for (pid, _), runs in open_runs.items() if runs > 0 and _alive(pid))
 
 
 async def send_all(evolution: Evolution, start: int, count: int, rate: float) -> list[str]:
@@ -227,12 +254,16 @@ async def send_all(evolution: Evolution, start: int, count: int, rate: float) ->
     return list(await asyncio.gather(*tasks))
 
 
-async def settle(trace_dir: Path, keys: list[str], within: float) -> Count:
-    """Wait until every event completed (or ``within`` passed), and a little longer for late doubles."""
+async def settle(
+    trace_dir: Path, keys: list[str], within: float, quiet: Callable[[], Awaitable[bool]]
+) -> Count:
+    """Wait until every event completed and nothing is left that could run one again — no run of
+    the logic in flight, and ``quiet``: no unprocessed row, no message in a queue. A double would
+    have completed by then. Not reached within ``within``: the count says how many are lost."""
     wanted = set(keys)
-    with contextlib.suppress(AssertionError):  # not all completed in time: the count says how many are lost
-        await wait_until(
-            lambda: wanted <= completions(trace_dir).keys(), within=within, interval=0.2, message="completion"
-        )
-    await asyncio.sleep(2.0)  # wait-ok: a second completion of an event would show up here
-    return Count(len(keys), completions(trace_dir), keys)
+
+    async def at_rest() -> bool:
+        return wanted <= completions(trace_dir).keys() and in_flight(trace_dir) == 0 and await quiet()
+
+    settled = await eventually(at_rest, within=within, interval=0.2)
+    return Count(len(keys), completions(trace_dir), keys, settled)

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import asyncpg
 import pytest
 from redis.asyncio import Redis
@@ -23,7 +24,7 @@ from evolution_ingest.stores.queues import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.drill.conftest import EVENTS
 from tests.drill.harness import Count, Deployment, Evolution, deployed, replicas, send_all, settle
-from tests.support.evolution import remove, restart_rabbitmq
+from tests.support.evolution import broker, depth, remove, restart_rabbitmq
 
 pytestmark = [pytest.mark.drill, pytest.mark.timeout(300)]
 
@@ -42,15 +43,44 @@ SHORT_TIMINGS = {
 Fault = Callable[[Deployment], Awaitable[None]]
 
 
-async def remove_drill_topology(settings: Settings) -> None:
-    """Delete the drill's queues and exchanges, named by the drill's own (short) timings."""
+def drill_topology(settings: Settings) -> Topology:
+    """The drill's queues and exchanges, named by the drill's own (short) timings."""
     timings = settings.model_copy(
         update={
             "retry_delays_seconds": [float(d) for d in SHORT_TIMINGS["RETRY_DELAYS_SECONDS"].split(",")],
             "lock_busy_delay_seconds": float(SHORT_TIMINGS["LOCK_BUSY_DELAY_SECONDS"]),
         }
     )
-    await remove(RABBITMQ_URL, Topology(timings))
+    return Topology(timings)
+
+
+async def remove_drill_topology(settings: Settings) -> None:
+    await remove(RABBITMQ_URL, drill_topology(settings))
+
+
+def nothing_left(settings: Settings) -> Callable[[], Awaitable[bool]]:
+    """No unprocessed row, and no message in any queue of the drill: nothing can run an event again."""
+    topology = drill_topology(settings)
+
+    async def quiet() -> bool:
+        conn = await asyncpg.connect(DATABASE_URL, server_settings={"search_path": settings.database_schema})
+        try:
+            if await conn.fetchval(
+                "SELECT count(*) FROM evolution_ingestion_events WHERE processed_at IS NULL"
+            ):
+                return False
+        finally:
+            await conn.close()
+        try:
+            async with broker(RABBITMQ_URL) as (_, channel):
+                for queue in [*topology.consumed_queues, *topology.service_queues]:
+                    if await depth(channel, queue):
+                        return False
+        except aio_pika.exceptions.AMQPException:  # a queue not declared again yet after a restart
+            return False
+        return True
+
+    return quiet
 
 
 @asynccontextmanager
@@ -84,8 +114,8 @@ async def run(
     if fault is not None:
         await asyncio.sleep(EVENTS / RATE * at)  # wait-ok: let the fault land mid-stream
         await fault(deployment)
-    keys = await sending
-    return await settle(trace, keys, within=120)
+    keys = await sending  # Evolution's webhook retries are over too
+    return await settle(trace, keys, within=120, quiet=nothing_left(deployment.settings))
 
 
 def check(
@@ -100,6 +130,7 @@ def check(
         )
     )
     record(scenario, count, notes)
+    assert count.settled, "the system did not come to rest: something was still pending"
     assert count.lost == 0, f"{count.lost} events lost"
     assert count.doubled <= doubles_allowed, f"{count.doubled} events processed twice"
 

@@ -105,23 +105,31 @@ class Recorder:
         return [key for key, count in self.calls.items() if count > 1]
 
 
-async def wait_until(
-    condition: Callable[[], bool | Awaitable[bool]],
-    within: float = 10.0,
-    interval: float = 0.02,
-    message: str = "condition",
-) -> None:
-    """Poll ``condition`` until true; fail the test after ``timeout`` seconds."""
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]], within: float = 10.0, interval: float = 0.02
+) -> bool:
+    """Poll ``condition`` until true (True) or until ``within`` seconds passed (False)."""
     deadline = time.monotonic() + within
     while True:
         value = condition()
         if not isinstance(value, bool):
             value = await value
         if value:
-            return
+            return True
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {message}")
+            return False
         await asyncio.sleep(interval)  # wait-ok: the poll interval of a bounded wait
+
+
+async def wait_until(
+    condition: Callable[[], bool | Awaitable[bool]],
+    within: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> None:
+    """Poll ``condition`` until true; fail the test after ``within`` seconds."""
+    if not await eventually(condition, within, interval):
+        raise AssertionError(f"timed out after {within}s waiting for {message}")
 
 
 def free_socket() -> socket.socket:

@@ -104,7 +104,7 @@ class Counters:
                     pipe.incrby(self._prefix + name, amount)
                     pipe.expire(self._prefix + name, RATE_TTL_SECONDS)
                 if seen:
-                    pipe.hset(self._prefix + LAST_SEEN, mapping=seen)  # type: ignore[arg-type]
+                    pipe.hset(self._prefix + LAST_SEEN, mapping=seen)  # type: ignore[arg-type]  # redis-py types values as str/bytes; it sends floats as is
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._pending.update(batch)
