@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from evolution_ingest import logs
 from evolution_ingest.channels.forward import HttpForwarder
-from evolution_ingest.channels.webhook import create_app
+from evolution_ingest.channels.http import create_app
 from evolution_ingest.channels.worker import Worker
 from evolution_ingest.config import LogFormat, Settings
 from evolution_ingest.core.pipeline import HandlerPipeline

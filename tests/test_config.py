@@ -109,3 +109,14 @@ def test_a_handler_that_cannot_be_loaded_names_the_setting(spec: str, message: s
     with pytest.raises(ConfigError, match="EVOLUTION_INGEST_HANDLERS") as raised:
         load_handler(spec)
     assert message in str(raised.value)
+
+
+def test_every_part_of_the_settings_keeps_its_validators_and_describes_each_setting() -> None:
+    from evolution_ingest.config import PARTS  # noqa: PLC0415 - what this test is about
+
+    merged = Settings.__pydantic_decorators__
+    for _, part in PARTS:
+        for kind in ("field_validators", "model_validators"):
+            assert set(getattr(part.__pydantic_decorators__, kind)) <= set(getattr(merged, kind)), part
+        assert all(field.description for field in part.model_fields.values()), part
+    assert set(Settings.model_fields) == {name for _, part in PARTS for name in part.model_fields}

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from evolution_ingest.channels.webhook import healthz
+from evolution_ingest.channels.http import healthz
 from evolution_ingest.config import Settings
 from evolution_ingest.lifecycle import run_components, webhook_component
 from tests.support import free_socket

@@ -17,7 +17,8 @@ import yaml
 from evolution_ingest.config import ConfigError
 from evolution_ingest.core.events import Channel, Event
 from evolution_ingest.core.identity import parse_envelope
-from evolution_ingest.logic.routes_file import Route, load_routes
+from evolution_ingest.logic.route import Route
+from evolution_ingest.logic.routes_file import load_routes
 from evolution_ingest.operate import views
 from evolution_ingest.runtime import Runtime
 from tests.conftest import OpenRuntime, serving

@@ -12,9 +12,9 @@ import click
 import structlog
 
 from evolution_ingest.channels.forward import HttpForwarder
+from evolution_ingest.channels.http import create_app
 from evolution_ingest.channels.reconciler import Reconciler
 from evolution_ingest.channels.topology import declare
-from evolution_ingest.channels.webhook import create_app
 from evolution_ingest.channels.worker import Worker
 from evolution_ingest.commandline import require_secret
 from evolution_ingest.config import ForwardMode, Settings

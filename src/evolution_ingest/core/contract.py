@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope
@@ -99,3 +99,11 @@ class Resend:
 
 
 Request = Receive | Relay | RunSaved | Resend
+
+
+class Forwarder(Protocol):
+    """How a saved event reaches the business logic of another process (the webhook app)."""
+
+    async def forward(self, envelope: Envelope) -> Result: ...
+
+    async def close(self) -> None: ...

@@ -1,38 +1,30 @@
 """The ingestion core: every request goes through :meth:`Ingestion.ingest` — lock ▸ inbox ▸ save ▸ act.
 
-What each request does (see :mod:`evolution_ingest.core.contract`):
+What each request asks is in :mod:`evolution_ingest.core.contract`. Rules kept here and nowhere else:
 
-* ``Receive``: save the copy with a claim and run the business logic here;
-* ``Relay``: save the copy and hold its lock while the business logic runs where it runs —
-  a direct call when this process serves the webhook app (``up``), else a forward to it;
-* ``RunSaved``: claim a saved row and run its business logic (the webhook app's side of a forward);
-* ``Resend``: take the lock of a saved, unprocessed row and send it on again (a re-forward).
-
-Rules kept here and nowhere else:
-
-* a copy is answered only after its raw payload is committed in Postgres, or after Redis
-  says the event is processed (Redis only says so after the commit); that a copy of an
-  already processed event came by this channel is then noted in the inbox in the
-  background (bookkeeping, not safety);
-* business logic runs only under a granted Postgres claim, so it runs once even when
-  Redis is down or split; the Redis lock keeps concurrent copies from even trying, and
-  both are renewed while a slow handler runs;
-* a relayed copy that finds its event being processed in this same process waits for that
-  to finish rather than coming back later through the lock-busy queue;
-* a row Postgres refuses (its data) is the outcome ``REFUSED``, for that event alone;
-  Postgres being unreachable is the exception ``StoreUnavailable``.
+* a copy is answered only after its raw payload is committed in Postgres, or after Redis says the
+  event is processed (Redis only says so after the commit); that a copy of a processed event came
+  by this channel is then noted in the inbox in the background (bookkeeping, not safety);
+* business logic runs only under a granted Postgres claim, so it runs once even when Redis is down
+  or split; the Redis lock keeps concurrent copies from even trying, and both are renewed while a
+  slow handler runs (or a relayed copy's forward);
+* a relayed copy that finds its event being processed in this same process waits for that to
+  finish rather than coming back later through the lock-busy queue;
+* a row Postgres refuses (its data) is the outcome ``REFUSED``, for that event alone; Postgres
+  being unreachable is the exception ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
 import uuid
 from datetime import UTC, tzinfo
-from typing import Final, Protocol
+from typing import Final
 
 import structlog
 
 from evolution_ingest.core import codec
 from evolution_ingest.core.contract import (
+    Forwarder,
     Outcome,
     Receive,
     Relay,
@@ -65,14 +57,6 @@ _SKIPPED: Final = {
     Outcome.LOCKED: "skipped_locked",
     Outcome.NOT_FOUND: "not_found",
 }
-
-
-class Forwarder(Protocol):
-    """How a saved event reaches the business logic of another process (the webhook app)."""
-
-    async def forward(self, envelope: Envelope) -> Result: ...
-
-    async def close(self) -> None: ...
 
 
 def _prefix(channel: Channel) -> str:

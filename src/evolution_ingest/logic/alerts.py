@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from evolution_ingest.core.events import Event
-from evolution_ingest.logic.routes_file import lookup
+from evolution_ingest.logic.route import lookup
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 from evolution_ingest.core.events import Event
 from evolution_ingest.logic.alerts import ConnectionMemory, Cooldowns, chat_message, render
 from evolution_ingest.logic.courier import Courier
-from evolution_ingest.logic.routes_file import Destination, Route, RoutesFile
+from evolution_ingest.logic.route import Destination, Route
+from evolution_ingest.logic.routes_file import RoutesFile
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.deliveries import DeliveryLog, DeliveryResult, DeliveryStatus
 
