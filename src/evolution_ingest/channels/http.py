@@ -80,7 +80,7 @@ def create_app(
 ) -> IngestApp:
     """The ASGI app; ``ingestion`` (and its connections) belong to the caller.
 
-    ``operator_routes``: ``/metrics``, ``/readyz`` and ``/dashboard`` (see :mod:`evolution_ingest.operate`).
+    ``operator_routes``: ``/metrics``, ``/readyz`` and ``/dashboard`` (see :mod:`evolution_ingest.operate.dashboard`).
     """
     webhook = WebhookApp(ingestion, settings, refusals)
     auth = EvolutionAuth(settings)

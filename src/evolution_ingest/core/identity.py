@@ -20,7 +20,7 @@ Everything else in the body (``destination``, ``sender``, ``server_url``,
 Pure (no I/O): it is used on both channels and in tests alike. The canonical form
 is orjson's with sorted keys — about ten times faster than ``json.dumps`` for the
 same bytes, and hashing every copy of every event is on the hot path (see
-:mod:`evolution_ingest.codec` for the bodies orjson cannot write).
+:mod:`evolution_ingest.core.codec` for the bodies orjson cannot write).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Envelope:
     date_time: str | None
     dedup_key: str
     #: The body as it is stored and shown: as Evolution sent it, minus the fields this
-    #: service adds, and with its secrets redacted (see :mod:`evolution_ingest.redaction`).
+    #: service adds, and with its secrets redacted (see :mod:`evolution_ingest.core.redaction`).
     body: dict[str, Any]
 
 

@@ -165,7 +165,7 @@ class PostgresInbox:
     """Reads and writes ``evolution_ingestion_events`` through an asyncpg pool.
 
     Saves, claims and "processed" marks of concurrent events are grouped into one
-    statement each (:class:`~evolution_ingest.batching.Batcher`): one commit serves
+    statement each (:class:`~evolution_ingest.core.batching.Batcher`): one commit serves
     many events, which is what lets the service outrun one statement per event.
     """
 

@@ -1,0 +1,67 @@
+"""The ceilings of this machine, measured in the same run as the scenarios."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import asyncpg
+import orjson
+
+from bench.harness import (
+    DATABASE_URL,
+    LoadResult,
+    free_port,
+    post_all,
+    process,
+    wait_http,
+)
+from evolution_ingest.core.identity import parse_envelope
+
+# --- ceilings -------------------------------------------------------------------------------
+
+
+async def raw_postgres(bodies: Sequence[bytes], concurrency: int = 64) -> float:
+    """INSERT ... ON CONFLICT then UPDATE per event, 64 in flight, pool of 16: the naive cost."""
+    schema = f"bench_raw_{os.getpid()}"
+    pool = await asyncpg.create_pool(DATABASE_URL, min_size=16, max_size=16)
+    assert pool is not None
+    try:
+        await pool.execute(f'CREATE SCHEMA "{schema}"')
+        await pool.execute(
+            f'CREATE TABLE "{schema}".events (id bigserial PRIMARY KEY, dedup_key text UNIQUE NOT NULL, '
+            "payload jsonb NOT NULL, received_at timestamptz NOT NULL DEFAULT now(), processed_at timestamptz)"
+        )
+        rows = [(parse_envelope(orjson.loads(b)).dedup_key, b.decode()) for b in bodies]
+        queue = iter(rows)
+
+        async def worker() -> None:
+            for key, payload in queue:
+                async with pool.acquire() as conn:
+                    row_id = await conn.fetchval(
+                        f'INSERT INTO "{schema}".events (dedup_key, payload) VALUES ($1, $2::jsonb) '
+                        "ON CONFLICT (dedup_key) DO UPDATE SET dedup_key = EXCLUDED.dedup_key RETURNING id",
+                        key,
+                        payload,
+                    )
+                async with pool.acquire() as conn:
+                    await conn.execute(
+                        f'UPDATE "{schema}".events SET processed_at = now() WHERE id = $1', row_id
+                    )
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return len(rows) / (time.perf_counter() - started)
+    finally:
+        await pool.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await pool.close()
+
+
+async def bare_http(bodies: Sequence[bytes]) -> LoadResult:
+    port = free_port()
+    async with process([sys.executable, "-m", "bench.bare", str(port)], dict(os.environ), "bare endpoint"):
+        await wait_http(f"http://127.0.0.1:{port}/healthz")
+        return await post_all(f"http://127.0.0.1:{port}/bare", bodies, 64, 120)
