@@ -92,6 +92,7 @@ class Runtime:
                 yield cls(settings, stores, ingestion, routes, router)
             finally:
                 await ingestion.drain()
-                log.info("group commit", events_per_statement=stores.inbox.batch_sizes())
+                if sizes := stores.inbox.batch_sizes():  # nothing to say after a command that wrote nothing
+                    log.info("group commit", events_per_statement=sizes)
                 if router is not None:
                     await router.close()

@@ -26,6 +26,7 @@ from evolution_ingest.config.base import (
     RabbitMode,
     WebhookAuth,
 )
+from evolution_ingest.config.evolution import EvolutionSettings
 from evolution_ingest.config.operating import OperatingSettings
 from evolution_ingest.config.processing import ProcessingSettings
 from evolution_ingest.config.rabbitmq import RabbitSettings
@@ -44,17 +45,38 @@ PARTS: Final[tuple[tuple[str, type[BaseModel]], ...]] = (
     ("RabbitMQ channel", RabbitSettings),
     ("Business logic, timings and the reconciler", ProcessingSettings),
     ("Operating: logs, metrics, coverage, dashboard", OperatingSettings),
+    ("Evolution API's REST API: connect, check, backfill", EvolutionSettings),
 )
 
 
 class Settings(
-    StoreSettings, WebhookSettings, RabbitSettings, ProcessingSettings, OperatingSettings, BaseSettings
+    StoreSettings,
+    WebhookSettings,
+    RabbitSettings,
+    ProcessingSettings,
+    OperatingSettings,
+    EvolutionSettings,
+    BaseSettings,
 ):
     """All settings of the service. Build it with :meth:`from_env`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_file=".env", env_file_encoding="utf-8", extra="ignore", frozen=True
     )
+
+    @property
+    def own_secrets(self) -> list[str]:
+        """Secrets of this service that must never appear in what it keeps, shows or sends."""
+        found = (self.webhook_token, self.webhook_jwt_key, self.internal_secret, self.evolution_api_key)
+        return [
+            secret.get_secret_value() for secret in found if secret is not None and secret.get_secret_value()
+        ]
+
+    @property
+    def public_webhook_url(self) -> str:
+        """This service's webhook URL as Evolution reaches it (without auth or event suffix)."""
+        base = self.webhook_public_url or f"http://{self.host}:{self.port}"
+        return f"{base}/api/internal/webhook"
 
     @property
     def webhook_forward_url(self) -> str:

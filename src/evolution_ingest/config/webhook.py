@@ -100,11 +100,3 @@ class WebhookSettings(BaseModel):
     @property
     def auth_methods(self) -> frozenset[WebhookAuth]:
         return frozenset(WebhookAuth(mode) for mode in self.webhook_auth) - {WebhookAuth.NONE}
-
-    @property
-    def own_secrets(self) -> list[str]:
-        """Secrets of this service that must never appear in what it keeps, shows or sends."""
-        found = (self.webhook_token, self.webhook_jwt_key, self.internal_secret)
-        return [
-            secret.get_secret_value() for secret in found if secret is not None and secret.get_secret_value()
-        ]

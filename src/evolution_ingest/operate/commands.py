@@ -1,4 +1,4 @@
-"""Operator commands: ``status``, ``check``, ``inspect``, ``replay`` and ``purge``.
+"""Operator commands: ``status``, ``check``, ``inspect``, ``replay``, ``purge`` (and ``connect``).
 
 Readable output for a person, ``--json`` for scripts. The data comes from ``views`` and
 ``checks`` (read-only) and ``actions`` (changes); the rendering from ``console``. What a
@@ -19,6 +19,7 @@ from evolution_ingest.commandline import load_settings, run_async, unavailable_i
 from evolution_ingest.config import ConfigError, Settings
 from evolution_ingest.logic.routes_file import RoutesFile, configured_routes
 from evolution_ingest.operate import actions, checks, console, views
+from evolution_ingest.operate.connect_command import connect
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores.inbox_reads import Filters
 from evolution_ingest.stores.refusals import ReplayFilters
@@ -254,4 +255,4 @@ def purge(
         console.render_purge(result, older_than)
 
 
-COMMANDS = [status, check, inspect, replay, purge]
+COMMANDS = [status, check, inspect, replay, purge, connect]

@@ -11,6 +11,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.syntax import Syntax
 from rich.table import Table
@@ -19,7 +20,7 @@ from evolution_ingest.operate.actions import as_json
 
 
 @functools.cache
-def _out() -> Console:
+def out() -> Console:
     """Made on first use (not at import): wide when piped, so that keys and errors stay on one line."""
     return Console(highlight=False, width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 
@@ -40,12 +41,12 @@ def _age(seconds: float | None) -> str:
 def _section_error(title: str, section: dict[str, Any]) -> bool:
     if section.get("ok"):
         return False
-    _out().print(f"[bold]{title}[/]: [red]unavailable[/] ({section.get('error')})")
+    out().print(f"[bold]{title}[/]: [red]unavailable[/] ({escape(str(section.get('error')))})")
     return True
 
 
 def render_status(report: dict[str, Any]) -> None:
-    _out().print(f"[bold]evolution-ingest status[/] at {report['at']}")
+    out().print(f"[bold]evolution-ingest status[/] at {report['at']}")
     inbox = report["inbox"]
     if not _section_error("Inbox", inbox):
         table = Table(title="Inbox", box=box.SIMPLE, title_justify="left")
@@ -64,7 +65,7 @@ def render_status(report: dict[str, Any]) -> None:
             _age(inbox["oldest_pending_age_seconds"]),
             str(inbox["rows"]),
         )
-        _out().print(table)
+        out().print(table)
     counters = report["counters"]
     if not _section_error("Counters", counters):
         table = Table(
@@ -78,7 +79,7 @@ def render_status(report: dict[str, Any]) -> None:
         for channel in ("webhook", "rabbitmq", "internal"):
             values = counters.get(channel, {})
             table.add_row(channel, *(str(values.get(column, 0)) for column in _CHANNEL_COLUMNS))
-        _out().print(table)
+        out().print(table)
         extra = {
             f"{channel}:{name}": value
             for channel, values in counters.items()
@@ -87,7 +88,7 @@ def render_status(report: dict[str, Any]) -> None:
             if not (channel in {"webhook", "rabbitmq", "internal"} and name in _CHANNEL_COLUMNS)
         }
         if extra:
-            _out().print("Other counters: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
+            out().print("Other counters: " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
     render_routes(report["routes"])
     render_refusals(report["refusals"])
     rabbit = report["rabbitmq"]
@@ -113,26 +114,26 @@ def render_status(report: dict[str, Any]) -> None:
                     f"[red]{messages}[/]" if name == "parking" and messages else str(messages),
                     str(consumers) if consumers or name not in rabbit["evolution_queues"] else "[red]0[/]",
                 )
-        _out().print(table)
+        out().print(table)
 
 
 def render_refusals(section: dict[str, Any]) -> None:
     if _section_error("Refused bodies", section):
         return
     summary = section["summary"]
-    _out().print(
+    out().print(
         f"[bold]Refused bodies[/]: {summary['kept']} kept (the newest {summary['keep']}), "
         f"{_warn_if(summary['last_24h'])} in the last 24 h, {summary['not_replayed']} not replayed"
     )
     for row in summary["last_24h_by_code"]:
-        _out().print(f"  {row['source']} {row['code']}: {row['refusals']}")
+        out().print(f"  {row['source']} {row['code']}: {row['refusals']}")
     for row in section["recent"]:
-        _out().print(
+        out().print(
             f"  refusal:{row['id']}  {row['received_at']:%Y-%m-%d %H:%M:%S}  {row['source']} "
             f"{row['status'] or '-'} {row['code']}: {row['reason'][:120]}"
         )
     if section["recent"]:
-        _out().print("  (inspect refusal:<id> shows one; replay --refused re-submits them after a fix)")
+        out().print("  (inspect refusal:<id> shows one; replay --refused re-submits them after a fix)")
 
 
 def render_refusal(row: dict[str, Any]) -> None:
@@ -143,12 +144,12 @@ def render_refusal(row: dict[str, Any]) -> None:
         "id", "received_at", "source", "status", "code", "reason", "origin", "body_bytes", "truncated",
         "replayed_at", "replay_outcome",
     ):  # fmt: skip
-        table.add_row(name, "-" if row.get(name) is None else str(row[name]))
-    _out().print(table)
+        table.add_row(name, "-" if row.get(name) is None else escape(str(row[name])))
+    out().print(table)
     if row.get("body") is not None:
-        _out().print(row["body"], markup=False, highlight=False)
+        out().print(row["body"], markup=False, highlight=False)
     else:
-        _out().print(f"body (not UTF-8, hex): {row['body_hex']}")
+        out().print(f"body (not UTF-8, hex): {row['body_hex']}")
 
 
 def render_routes(section: dict[str, Any]) -> None:
@@ -163,9 +164,9 @@ def render_routes(section: dict[str, Any]) -> None:
         table.add_row(
             name, *(_warn_if(values[c]) if c in {"failed", "permanent"} else str(values[c]) for c in columns)
         )
-    _out().print(table)
+    out().print(table)
     for problem in section["problems"]:
-        _out().print(
+        out().print(
             f"  destination {problem['destination']}: [yellow]{problem['failing']} failing[/], "
             f"[red]{problem['permanent']} refused for good[/] (see `inspect` of an event)"
         )
@@ -181,8 +182,8 @@ def render_check(results: list[dict[str, str]]) -> None:
     table.add_column("state")
     table.add_column("detail")
     for result in results:
-        table.add_row(result["check"], _STATE_MARK[result["state"]], result["detail"])
-    _out().print(table)
+        table.add_row(result["check"], _STATE_MARK[result["state"]], escape(result["detail"]))
+    out().print(table)
 
 
 def render_row(row: dict[str, Any]) -> None:
@@ -193,30 +194,30 @@ def render_row(row: dict[str, Any]) -> None:
         "id", "dedup_key", "state", "event", "instance", "received_at", "processed_at", "failed_at",
         "attempts", "last_attempt_at", "last_error", "claimed_until",
     ):  # fmt: skip
-        table.add_row(name, "-" if row.get(name) is None else str(row[name]))
+        table.add_row(name, "-" if row.get(name) is None else escape(str(row[name])))
     channels = row["channels"]
     table.add_row(
         "channels",
         f"first {channels['first']}; webhook {channels['webhook_seen_at'] or 'never'}; "
         f"rabbitmq {channels['rabbitmq_seen_at'] or 'never'}",
     )
-    _out().print(table)
+    out().print(table)
     for delivery in row.get("deliveries", []):
-        _out().print(
+        out().print(
             f"delivery {delivery['destination']}: {delivery['status']} after {delivery['attempts']} attempt(s)"
             + (f" — {delivery['last_error']}" if delivery["last_error"] else "")
         )
     if row.get("payload") is None:
-        _out().print("payload: [yellow]purged[/] (the key is kept so late copies are still recognised)")
+        out().print("payload: [yellow]purged[/] (the key is kept so late copies are still recognised)")
     else:
-        _out().print(Syntax(as_json(row["payload"]), "json", word_wrap=True))
+        out().print(Syntax(as_json(row["payload"]), "json", word_wrap=True))
 
 
 def render_reconcile(report: dict[str, Any]) -> None:
     if not report["leader"]:
-        _out().print("another reconciler is active; this pass did nothing")
+        out().print("another reconciler is active; this pass did nothing")
         return
-    _out().print(
+    out().print(
         f"reconcile: found {report['found']} stuck event(s) in {report['seconds']:.2f}s — "
         f"recovered {report['recovered']}, still failing {report['failing']}, "
         f"marked failed {report['dead']}, being processed elsewhere {report['locked']}"
@@ -225,23 +226,23 @@ def render_reconcile(report: dict[str, Any]) -> None:
 
 def render_replay(report: dict[str, Any]) -> None:
     verb = "would be replayed" if report["dry_run"] else "replayed"
-    _out().print(
+    out().print(
         f"replay: {report['failed_events']} failed event(s) and {report['parked_messages']} parked message(s) {verb}"
     )
     outcomes = {k: v for k, v in report.items() if k == "recovered" or k.startswith("still_")}
     if outcomes:
-        _out().print(
+        out().print(
             "  failed events: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in outcomes.items())
         )
     if report["parked_messages"] and not report["dry_run"]:
-        _out().print("  parked messages went to the ready queue; the worker processes them")
+        out().print("  parked messages went to the ready queue; the worker processes them")
     if report["parked_left"]:
-        _out().print(
+        out().print(
             f"  {report['parked_left']} parked message(s) left in place (not Evolution events, or filtered out)"
         )
     if "refused_bodies" in report:
         became = ", ".join(f"{k} {v}" for k, v in sorted(report["refused_outcomes"].items()))
-        _out().print(f"  {report['refused_bodies']} refused body(ies) {verb}: {became}")
+        out().print(f"  {report['refused_bodies']} refused body(ies) {verb}: {became}")
 
 
 def render_purge(report: dict[str, Any], older_than: str) -> None:
@@ -249,7 +250,7 @@ def render_purge(report: dict[str, Any], older_than: str) -> None:
     what = "payload(s) of processed rows" if report["payload_only"] else "processed row(s)"
     verb = "would be" if report["dry_run"] else "were"
     done = "dropped" if report["payload_only"] else "deleted"
-    _out().print(f"purge: {count} {what} older than {older_than} {verb} {done}")
+    out().print(f"purge: {count} {what} older than {older_than} {verb} {done}")
 
 
 @contextmanager

@@ -1,0 +1,42 @@
+"""Settings of talking to Evolution API itself: its REST API (``connect``, ``check``, backfill)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+
+
+class EvolutionSettings(BaseModel):
+    evolution_url: str | None = Field(
+        default=None,
+        description="Evolution API's base URL (`http://evolution:8080`): `connect` sets its webhooks and RabbitMQ "
+        "events, `check` compares them, backfill reads its stored messages.",
+    )
+    evolution_api_key: SecretStr | None = Field(
+        default=None,
+        description="Evolution's global API key (its `AUTHENTICATION_API_KEY`); never logged or shown.",
+    )
+    evolution_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="Timeout of one call to Evolution's REST API."
+    )
+    webhook_public_url: str | None = Field(
+        default=None,
+        description="Where Evolution reaches this service's webhook app (`http://ingest:8080`); `connect` puts it in "
+        "the webhooks it sets.",
+        json_schema_extra={"shown_default": "http://<HOST>:<PORT>"},
+    )
+    webhook_base64: bool = Field(
+        default=False,
+        description="`connect` asks Evolution for media in base64 inside the webhook bodies (large bodies).",
+    )
+    connect_wait_seconds: float = Field(
+        default=120.0,
+        ge=0,
+        description="How long `connect` waits for each instance to deliver on both channels (0: do not wait).",
+    )
+
+    @field_validator("evolution_url", "webhook_public_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/") if value else value
