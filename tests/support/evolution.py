@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import re
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aio_pika
+import aiohttp
 import orjson
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
@@ -99,21 +100,34 @@ async def take_all(channel: AbstractChannel, queue: str) -> list[aio_pika.abc.Ab
 
 
 async def remove(url: str, topology: Topology, extra_queues: list[str] | None = None) -> None:
-    """Delete a test's queues and exchanges (each on its own channel: a miss closes it)."""
+    """Delete a test's queues and exchanges."""
+    await delete(
+        url, [*topology.consumed_queues, *topology.service_queues, *(extra_queues or [])], topology.exchanges
+    )
+
+
+async def delete(url: str, queues: Sequence[str], exchanges: Sequence[str] = ()) -> None:
+    """Delete queues and exchanges, each on its own channel (a miss closes it)."""
     connection = await aio_pika.connect(url, timeout=10)
     try:
-        for name in [*topology.consumed_queues, *topology.service_queues, *(extra_queues or [])]:
-            with contextlib.suppress(Exception):
-                channel = await connection.channel()
-                await channel.queue_delete(name)
-                await channel.close()
-        for name in topology.exchanges:
-            with contextlib.suppress(Exception):
-                channel = await connection.channel()
-                await channel.exchange_delete(name)
-                await channel.close()
+        for kind, names in (("queue", queues), ("exchange", exchanges)):
+            for name in names:
+                with contextlib.suppress(Exception):
+                    channel = await connection.channel()
+                    await (channel.queue_delete(name) if kind == "queue" else channel.exchange_delete(name))
+                    await channel.close()
     finally:
         await connection.close()
+
+
+async def send_both(
+    http: aiohttp.ClientSession, webhook_url: str, publisher: EvolutionPublisher, items: list[dict[str, Any]]
+) -> None:
+    """Each fixture by webhook, then by RabbitMQ (global), as Evolution sends one event on both."""
+    for item in items:
+        async with http.post(webhook_url, data=orjson.dumps(item["webhook_body"])):
+            pass
+        await publisher.publish_global(item["rabbitmq_body"], item["routing_key"])
 
 
 # Names that only this suite gives: a test's 12-hex-digit id after a fixed prefix.

@@ -18,6 +18,7 @@ import jwt
 from jwt.warnings import InsecureKeyLengthWarning
 
 from evolution_ingest.config import Settings, WebhookAuth
+from evolution_ingest.stores.evolution import APIKEY_NULL
 
 INTERNAL_SECRET_HEADER: Final = "x-internal-webhook-secret"  # noqa: S105 - a header name
 #: On a forward: the inbox row's key, trusted because the secret authenticates the caller.
@@ -97,6 +98,8 @@ class EvolutionAuth:
             return self._check_jwt(headers.get("authorization"))
         if method is WebhookAuth.APIKEY:
             apikey = body.get("apikey")
+            if apikey is None and "apikey" in body:
+                return f"apikey: {APIKEY_NULL}"
             if not isinstance(apikey, str):
                 return "apikey: no apikey in the body"
             # Compare with every key so the time taken does not tell which one matched.

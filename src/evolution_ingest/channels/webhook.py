@@ -36,6 +36,7 @@ from evolution_ingest.core.body import BodyRejected, load_body, too_large
 from evolution_ingest.core.contract import Outcome, Receive, Result, RunSaved
 from evolution_ingest.core.identity import Envelope, InvalidEvent
 from evolution_ingest.core.ingestion import INTERNAL, Ingestion
+from evolution_ingest.stores.evolution import INSTANCE_ID_HEADER, webhook_path
 from evolution_ingest.stores.postgres import StoreUnavailable
 from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
@@ -90,6 +91,10 @@ class JsonAnswer:
 class _Call:
     envelope: Envelope
     internal: bool
+    #: Evolution's webhook that made the call (``instance`` or ``global``); None for a forward.
+    path: str | None = None
+    #: ``X-Instance-ID`` (Evolution 2.4 instance webhooks), logged with the outcome.
+    instance_id: str | None = None
 
 
 def _is_forward(body: Any) -> bool:
@@ -145,6 +150,8 @@ class WebhookApp:
             )
             if result.outcome is Outcome.REFUSED:
                 raise _Refused(422, result.error or "refused", result.code or "unstorable", raw=raw)
+            if call.path is not None:
+                self._counters.webhook_path(codec.label(call.envelope.instance), call.path)
         except _Refused as refused:
             return await self._refuse(refused, request, raw or refused.raw)
         except StoreUnavailable as exc:
@@ -161,6 +168,7 @@ class WebhookApp:
             dedup_key=result.dedup_key,
             channel=channel,
             duration_ms=round(elapsed * 1000, 2),
+            **({"instance_id": call.instance_id} if call.instance_id else {}),
         )
         return self._answer(result)
 
@@ -216,7 +224,13 @@ class WebhookApp:
             )
             if refusal:
                 raise _Refused(401, refusal, "unauthorized", f"{_CHANNEL}:unauthorized")
-        return _Call(envelope, internal=False)
+        instance_id = request.headers.get(INSTANCE_ID_HEADER)
+        return _Call(
+            envelope,
+            internal=False,
+            path=webhook_path(request.headers),
+            instance_id=codec.label(instance_id[:100]) if instance_id else None,
+        )
 
     async def _too_large(self, request: Request, chunks: list[bytes]) -> _Refused:
         """Refuse a body over the limit, keeping (up to REFUSAL_MAX_BYTES of) it for the operator."""

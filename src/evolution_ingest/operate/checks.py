@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 from evolution_ingest.config import ConfigError, Settings
 from evolution_ingest.logic.routes_file import configured_routes
+from evolution_ingest.operate import evolution_checks
 from evolution_ingest.operate.errors import STORE_ERRORS
+from evolution_ingest.operate.evolution_checks import some
 from evolution_ingest.stores import Stores, migrations
 from evolution_ingest.stores.queues import Topology, broker, queue_states
 
@@ -51,6 +53,7 @@ async def check(stores: Stores, settings: Settings) -> list[dict[str, str]]:
             "warn",
             "off: anyone who can reach the port can inject events (EVOLUTION_INGEST_WEBHOOK_AUTH)",
         )
+    await evolution_checks.check(stores, settings, add)
     return results
 
 
@@ -82,34 +85,24 @@ async def _check_rabbitmq(settings: Settings, add: Add) -> None:
         add("rabbitmq", "fail", f"{type(exc).__name__}: {exc}")
         return
     add("rabbitmq", "ok", f"reachable, {topology.mode.value} mode")
-    missing = [name for name, state in sources.items() if not state["exists"]]
+    # A queue that does not exist is a missing binding: see evolution_checks.
     unconsumed = [name for name, state in sources.items() if state["exists"] and not state["consumers"]]
-    if missing:
-        add(
-            "evolution queues",
-            "warn",
-            f"{len(missing)} not declared yet (Evolution or the worker will): {_some(missing)}",
-        )
     if unconsumed:
         add(
             "evolution queues",
             "fail",
-            f"{len(unconsumed)} without a consumer (is the worker running?): {_some(unconsumed)}",
+            f"{len(unconsumed)} without a consumer (is the worker running?): {some(unconsumed)}",
         )
-    if not missing and not unconsumed:
-        add("evolution queues", "ok", f"{len(sources)} queues, each with a consumer")
+    else:
+        existing = sum(1 for state in sources.values() if state["exists"])
+        add("evolution queues", "ok", f"{existing} queue(s), each with a consumer")
     absent = [name for name, state in service.items() if not state["exists"]]
     if absent:
         add(
             "service queues",
             "fail",
-            f"{len(absent)} missing (run `evolution-ingest topology`): {_some(absent)}",
+            f"{len(absent)} missing (run `evolution-ingest topology`): {some(absent)}",
         )
     else:
         parked = service[topology.parking]["messages"]
         add("service queues", "warn" if parked else "ok", f"declared; {parked} message(s) parked")
-
-
-def _some(names: list[str], shown: int = 4) -> str:
-    listed = ", ".join(names[:shown])
-    return f"{listed} and {len(names) - shown} more" if len(names) > shown else listed

@@ -28,8 +28,10 @@ BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 #: Per-minute delivery counts are kept this long (the dashboard shows the last hour).
 RATE_TTL_SECONDS: Final = 2 * 3600
 #: Keys under the prefix that are not plain counters (left out of :meth:`Counters.read`).
-SERIES: Final = ("hist:", "rate:", "last_seen")
+SERIES: Final = ("hist:", "rate:", "last_seen", "webhook_paths")
 LAST_SEEN: Final = "last_seen"
+#: Per instance, when each of Evolution's webhooks (``instance``, ``global``) last called.
+WEBHOOK_PATHS: Final = "webhook_paths"
 
 
 def bucket_label(index: int) -> str:
@@ -58,6 +60,7 @@ class Counters:
         self._pending: Counter[str] = Counter()
         self._rates: Counter[str] = Counter()
         self._last_seen: dict[str, float] = {}
+        self._paths: dict[str, float] = {}
         self._redis_down = False
 
     @property
@@ -85,17 +88,23 @@ class Counters:
         self._rates[f"rate:{channel}:{int(now // 60) * 60}"] += 1
         self._last_seen[f"{instance}\t{channel}"] = round(now, 3)
 
+    def webhook_path(self, instance: str, path: str) -> None:
+        """A webhook call of ``instance`` came through Evolution's ``instance`` or ``global`` webhook."""
+        self._pending[f"webhook:via:{path}"] += 1
+        self._paths[f"{instance}\t{path}"] = round(time.time(), 3)
+
     def pending(self) -> dict[str, int]:
         """Increments not yet flushed to Redis."""
         return dict(self._pending)
 
     async def flush(self) -> bool:
         """Send what is pending; True when Redis took it (or nothing was pending)."""
-        if not (self._pending or self._rates or self._last_seen):
+        if not (self._pending or self._rates or self._last_seen or self._paths):
             return True
         batch, self._pending = self._pending, Counter()
         rates, self._rates = self._rates, Counter()
         seen, self._last_seen = self._last_seen, {}
+        paths, self._paths = self._paths, {}
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for name, amount in batch.items():
@@ -103,13 +112,15 @@ class Counters:
                 for name, amount in rates.items():
                     pipe.incrby(self._prefix + name, amount)
                     pipe.expire(self._prefix + name, RATE_TTL_SECONDS)
-                if seen:
-                    pipe.hset(self._prefix + LAST_SEEN, mapping=seen)  # type: ignore[arg-type]  # redis-py types values as str/bytes; it sends floats as is
+                for key, times in ((LAST_SEEN, seen), (WEBHOOK_PATHS, paths)):
+                    if times:
+                        pipe.hset(self._prefix + key, mapping=times)  # type: ignore[arg-type]  # redis-py types values as str/bytes; it sends floats as is
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._pending.update(batch)
             self._rates.update(rates)
             self._last_seen = {**seen, **self._last_seen}
+            self._paths = {**paths, **self._paths}
             if not self._redis_down:
                 log.warning("counters not flushed, Redis unavailable; keeping them", error=repr(exc))
             self._redis_down = True
@@ -157,15 +168,22 @@ class Counters:
 
     async def read_last_seen(self) -> dict[str, dict[str, float]]:
         """Per instance, per channel: when it last delivered (Unix time)."""
-        raw = await self._redis.hgetall(self._prefix + LAST_SEEN)
+        return await self._read_times(LAST_SEEN, self._last_seen)
+
+    async def read_webhook_paths(self) -> dict[str, dict[str, float]]:
+        """Per instance, per webhook of Evolution (``instance``, ``global``): when it last called."""
+        return await self._read_times(WEBHOOK_PATHS, self._paths)
+
+    async def _read_times(self, key: str, pending: dict[str, float]) -> dict[str, dict[str, float]]:
+        raw = await self._redis.hgetall(self._prefix + key)
         seen: dict[str, dict[str, float]] = {}
         for field, value in raw.items():
             name = field.decode() if isinstance(field, bytes) else field
-            instance, _, channel = name.rpartition("\t")
-            seen.setdefault(instance, {})[channel] = float(value)
-        for name, at in self._last_seen.items():
-            instance, _, channel = name.rpartition("\t")
-            seen.setdefault(instance, {})[channel] = max(at, seen.get(instance, {}).get(channel, 0.0))
+            instance, _, what = name.rpartition("\t")
+            seen.setdefault(instance, {})[what] = float(value)
+        for name, at in pending.items():
+            instance, _, what = name.rpartition("\t")
+            seen.setdefault(instance, {})[what] = max(at, seen.get(instance, {}).get(what, 0.0))
         return seen
 
     async def read_histogram(self, histogram: str) -> tuple[list[int], int, float]:

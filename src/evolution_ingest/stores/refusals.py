@@ -53,6 +53,13 @@ SELECT source, code, count(*) AS refusals FROM {REFUSALS}
 """
 
 
+_UNAUTHORIZED: Final = f"""
+SELECT reason, count(*) AS refusals, max(received_at) AS last_at FROM {REFUSALS}
+ WHERE code = 'unauthorized' AND source = 'webhook' AND received_at > now() - make_interval(secs => $1)
+ GROUP BY reason ORDER BY refusals DESC LIMIT 20
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """One refused body, as received."""
@@ -135,6 +142,11 @@ class RefusalLog:
         by_code = await self._db.fetch(_BY_CODE)
         assert totals is not None
         return {**dict(totals), "keep": self._keep, "last_24h_by_code": [dict(r) for r in by_code]}
+
+    async def unauthorized_reasons(self, within_seconds: float) -> dict[str, int]:
+        """Why webhook calls were refused as unauthorized lately: reason -> how many."""
+        records = await self._db.fetch(_UNAUTHORIZED, within_seconds)
+        return {r["reason"]: r["refusals"] for r in records}
 
     async def recent(self, limit: int = 20) -> list[dict[str, Any]]:
         records = await self._db.fetch(f"SELECT {_COLUMNS} FROM {REFUSALS} ORDER BY id DESC LIMIT $1", limit)
