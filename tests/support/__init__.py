@@ -22,6 +22,8 @@ from evolution_ingest.core.events import Event
 from evolution_ingest.core.redaction import Redactor
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "evolution_events.json"
+#: Evolution 2.4 forms: ``extra`` spread first, ``messaging-history.set``, X-Instance-* webhook headers.
+FIXTURES_2_4 = FIXTURES.with_name("evolution_2_4_events.json")
 
 
 @cache
@@ -32,6 +34,10 @@ def _load() -> tuple[dict[str, Any], ...]:
 def fixtures() -> list[dict[str, Any]]:
     """The 20 Evolution events, each with its webhook and RabbitMQ form (deep copies)."""
     return copy.deepcopy(list(_load()))
+
+
+def fixtures_2_4() -> list[dict[str, Any]]:
+    return copy.deepcopy(json.loads(FIXTURES_2_4.read_text(encoding="utf-8")))
 
 
 def fixture(name: str) -> dict[str, Any]:
