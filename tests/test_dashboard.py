@@ -10,14 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import orjson
 import pytest
 from playwright.async_api import Browser, async_playwright
 
 from evolution_ingest.core.events import Event
 from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving
 from tests.support import Recorder, fixtures, wait_until
-from tests.support.evolution import EvolutionPublisher, broker
+from tests.support.evolution import EvolutionPublisher, broker, send_both
 
 CHROMIUM = os.environ.get("TEST_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS", Path(__file__).parent.parent / "artifacts"))
@@ -61,10 +60,7 @@ async def test_the_dashboard_shows_the_figures_of_a_known_set_of_events(
         settings = runtime.settings
         async with broker(RABBITMQ_URL) as (_, channel):
             publisher = EvolutionPublisher(channel, settings.rabbitmq_exchange, settings.rabbitmq_prefix)
-            for item in items:
-                async with http.post(service.url, data=orjson.dumps(item["webhook_body"])):
-                    pass
-                await publisher.publish_global(item["rabbitmq_body"], item["routing_key"])
+            await send_both(http, service.url, publisher, items)
             async with http.post(service.url, data=b'{"event": "call", "data": {}}') as refused:
                 assert refused.status == 400
 
