@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from evolution_ingest.config import Settings
 from evolution_ingest.logic.routes_file import load_routes
+from evolution_ingest.operate.connect import Connector
+from evolution_ingest.stores.evolution import SOURCE_HEADER
 
 ROOT = Path(__file__).parent.parent
 
@@ -40,3 +45,52 @@ def test_every_link_between_the_docs_points_at_a_file_that_exists() -> None:
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             assert (page.parent / target).exists(), f"{page.name} links to {target}"
+
+
+def _connectors() -> list[Any]:
+    """``connect`` for every mode that changes what it prints or sets."""
+    connectors = []
+    for mode in ("global", "instance", "own"):
+        for auth in ("url_token", "header,jwt", "apikey"):
+            settings = Settings(  # type: ignore[call-arg]  # a pydantic-settings argument, not a field
+                _env_file=None, rabbitmq_mode=mode, rabbitmq_instances=["acme"], webhook_auth=auth,
+                webhook_token="fake-token", webhook_jwt_key="fake-jwt-key-" + "x" * 32, webhook_apikeys=["fake"],
+                webhook_public_url="http://ingest:8080",
+            )  # fmt: skip
+            for webhook in ("instance", "global"):
+                connectors.append(Connector(None, settings, webhook_mode=webhook))  # type: ignore[arg-type]  # no REST call here
+    return connectors
+
+
+def _readme_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return text[text.index("## Connect Evolution API") : text.index("## Your business logic")]
+
+
+def test_the_readme_names_every_evolution_setting_connect_prints_and_the_expose_caveat() -> None:
+    section = _readme_section()
+    printed = {
+        re.sub(r"_(EVENTS)_[A-Z_]+$", r"_\1_<EVENT>", line.split("=")[0].lstrip("# ").split(" ")[0])
+        for connector in _connectors()
+        for line in connector.environment_lines()
+    }
+    assert "RABBITMQ_PREFIX_KEY" in printed
+    for name in printed:
+        shown = "WEBHOOK_GLOBAL_*" if name.startswith("WEBHOOK_GLOBAL_") else name
+        assert f"`{shown}`" in section or f"`{name}=" in section, f"the README does not name {name}"
+    assert "without it Evolution sends `apikey: null`" in section
+
+
+def test_the_readme_and_docs_describe_the_webhook_connect_sets() -> None:
+    section = _readme_section()
+    desired = _connectors()[0].desired_webhook()
+    for name in desired:
+        assert f"`{name}" in section, f"the README does not say what connect sets in {name}"
+    assert f"`{SOURCE_HEADER}`" in section
+    (example,) = re.findall(
+        r"```json\n(.*?)```", (ROOT / "docs" / "evolution.md").read_text(encoding="utf-8"), re.S
+    )
+    by_hand = json.loads(example)["webhook"]
+    assert set(by_hand) == set(desired)
+    assert by_hand["headers"] == {SOURCE_HEADER: "instance"}
+    assert by_hand["byEvents"] is desired["byEvents"]
