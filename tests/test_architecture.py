@@ -9,7 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "src" / "evolution_ingest"
 #: The core's pure modules: no I/O, used by every part.
-PURE_CORE = {"codec", "identity", "events", "redaction", "body", "contract", "batching", "pipeline"}
+PURE_CORE = {"codec", "identity", "events", "redaction", "body", "contract", "batching", "pipeline", "stored"}
 #: Which parts each part may import (besides itself and ``config``).
 ALLOWED = {
     "core": {"core", "stores"},

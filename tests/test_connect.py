@@ -7,6 +7,7 @@ errors) and emits events the way Evolution does to the webhooks and RabbitMQ it 
 from __future__ import annotations
 
 import asyncio
+import copy
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -252,6 +253,16 @@ async def test_the_client_reads_evolutions_error_answers(settings: Settings) -> 
             await stranger.close()
 
 
+def a_message(number: int, text: str | None = None) -> dict[str, Any]:
+    """The ``number``-th distinct incoming message (a message is its id and content)."""
+    data = copy.deepcopy(fixture("messages_upsert_text_incoming")["webhook_body"]["data"])
+    data["key"]["id"] = f"{data['key']['id'][:20]}{number:012d}"
+    data["messageTimestamp"] = data["messageTimestamp"] + number
+    if text is not None:
+        data["message"]["conversation"] = text
+    return data
+
+
 def _global_rabbitmq(settings: Settings) -> FakeEnvironment:
     return FakeEnvironment(
         rabbitmq_global=True, rabbitmq_exchange=settings.rabbitmq_exchange, rabbitmq_prefix=settings.rabbitmq_prefix,
@@ -269,7 +280,6 @@ async def _when(condition: Callable[[], bool], what: str) -> None:
 async def test_connect_waits_until_each_connected_instance_delivers_on_both_channels(
     open_runtime: OpenRuntime, recorder: Recorder, http: aiohttp.ClientSession
 ) -> None:
-    message = fixture("messages_upsert_text_incoming")["webhook_body"]["data"]
     async with (
         open_runtime(webhook_auth=["url_token"], webhook_token=TOKEN) as runtime,
         running_service(runtime) as service,
@@ -291,7 +301,7 @@ async def test_connect_waits_until_each_connected_instance_delivers_on_both_chan
                 lambda: all(fake.instances[n].webhook for n in ("acme-sales", "acme-support")), "webhooks set"
             )
             for number, name in enumerate(("acme-sales", "acme-support")):
-                statuses = await fake.emit(http, publisher, name, "messages.upsert", {**message, "n": number})
+                statuses = await fake.emit(http, publisher, name, "messages.upsert", a_message(number))
                 assert statuses == [200]
             code, report = await asyncio.wait_for(run, 60)
             assert code == 0, report
@@ -305,7 +315,7 @@ async def test_connect_waits_until_each_connected_instance_delivers_on_both_chan
             calls = len(fake.calls)
             again = asyncio.create_task(cli(env, "connect", "--wait-seconds", "4"))
             await _when(lambda: len(fake.calls) >= calls + 7, "the second run to read every instance")
-            await fake.emit(http, None, "acme-sales", "messages.upsert", {**message, "n": 9})
+            await fake.emit(http, None, "acme-sales", "messages.upsert", a_message(9))
             second = await asyncio.wait_for(again, 60)
     assert second.returncode == 1
     sales = next(line for line in second.stdout.splitlines() if line.strip().startswith("acme-sales"))

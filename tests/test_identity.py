@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 
 from evolution_ingest.core.identity import (
     MESSAGE_EVENTS,
+    SINGLE_MESSAGE_EVENTS,
     InvalidEvent,
     canonical_json,
     dedup_key,
+    legacy_dedup_key,
+    message_identity,
     normalize_event_name,
     parse_envelope,
 )
@@ -87,9 +90,40 @@ def test_a_message_whose_content_changed_keeps_no_key_of_its_earlier_version() -
     placeholder = fixture("messages_upsert_text_incoming")["webhook_body"]
     decrypted = copy.deepcopy(placeholder)
     decrypted["data"]["message"]["conversation"] = "Oi! Vocês abrem no domingo?"
-    edited_status = copy.deepcopy(placeholder)
-    edited_status["data"]["status"] = "READ"
-    assert len({key_of(placeholder), key_of(decrypted), key_of(edited_status)}) == 3
+    assert key_of(placeholder) != key_of(decrypted)
+
+
+def test_one_message_is_one_event_whatever_its_delivery_state_or_media_transport() -> None:
+    body = fixture("messages_upsert_image_incoming_with_base64")["webhook_body"]
+    assert "base64" in body["data"]["message"]
+    stored = copy.deepcopy(body)  # as Evolution stores it: no base64, another status, no pushName
+    del stored["data"]["message"]["base64"]
+    stored["data"]["status"] = "READ"
+    stored["data"]["pushName"] = None
+    stored["data"]["contextInfo"] = None
+    assert key_of(stored) == key_of(body)
+
+
+def test_the_message_id_direction_and_event_are_part_of_a_message_identity() -> None:
+    body = fixture("messages_upsert_text_incoming")["webhook_body"]
+    other_id, mine, sent = (copy.deepcopy(body) for _ in range(3))
+    other_id["data"]["key"]["id"] = "ANOTHER0000000000000000000000000"
+    mine["data"]["key"]["fromMe"] = True
+    sent["event"] = "send.message"
+    assert len({key_of(b) for b in (body, other_id, mine, sent)}) == 4
+
+
+def test_the_version_1_key_of_a_message_is_kept_for_copies_saved_before_the_upgrade() -> None:
+    # Pinned: what version 1 computed for these fixtures (their whole data).
+    for name, v1 in (
+        ("messages_upsert_text_incoming", "21e29b0c3bc8bf2670f2a3563a9718f1a4b9dee0e8bc2f7d136b12674b65d031"),
+        ("send_message_text_via_api", "4c9d67dd65179ac30e6b00de6d89acd5ddff3fb71b2b98704a1f3c1dc54c8c1a"),
+    ):
+        body = fixture(name)["webhook_body"]
+        assert legacy_dedup_key(body["event"], body["instance"], body["data"], body["date_time"]) == v1
+        assert key_of(body) != v1
+    call = fixture("call_offer")["webhook_body"]  # every other event keeps its key of version 1
+    assert legacy_dedup_key(call["event"], call["instance"], call["data"], call["date_time"]) == key_of(call)
 
 
 def test_transport_fields_never_change_the_key() -> None:
@@ -217,8 +251,28 @@ def test_date_time_separates_emissions_except_for_message_events(
 @settings(max_examples=300)
 @given(event=event_names, a=json_values, b=json_values)
 def test_different_content_gives_different_keys(event: str, a: Any, b: Any) -> None:
-    if canonical_json(a) != canonical_json(b):
+    ident_a, ident_b = message_identity(event, "i", a) or a, message_identity(event, "i", b) or b
+    if canonical_json(ident_a) != canonical_json(ident_b):
         assert dedup_key(event, "i", a, "t") != dedup_key(event, "i", b, "t")
+
+
+@settings(max_examples=300)
+@given(
+    event=st.sampled_from(sorted(SINGLE_MESSAGE_EVENTS)),
+    message_id=st.text(min_size=1, max_size=32),
+    from_me=st.booleans(),
+    content=json_values,
+    other=st.dictionaries(
+        st.sampled_from(["status", "pushName", "contextInfo", "messageTimestamp", "source"]), json_values
+    ),
+)
+def test_a_message_is_identified_by_its_id_direction_and_content_only(
+    event: str, message_id: str, from_me: bool, content: Any, other: dict[str, Any]
+) -> None:
+    bare = {"key": {"id": message_id, "fromMe": from_me}, "message": content}
+    assert dedup_key(event, "i", {**bare, **other}, "t1") == dedup_key(event, "i", bare, "t2")
+    changed = {**bare, "message": {"changed": content}}
+    assert dedup_key(event, "i", changed, "t") != dedup_key(event, "i", bare, "t")
 
 
 @given(event=event_names, data=json_values)

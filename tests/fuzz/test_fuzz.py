@@ -223,7 +223,10 @@ async def test_any_json_in_any_envelope_field_is_stored_exactly_or_refused_with_
         answer["dedup_key"],
     )
     assert row["webhook_seen_at"] is not None
-    assert codec.from_storage(row["payload"], row["payload_text"]) == _as_received(stored_form(body))
+    if answer["status"] == "processed":  # else an earlier example of this run had the same identity
+        assert codec.from_storage(row["payload"], row["payload_text"]) == _as_received(stored_form(body))
+    else:
+        assert answer["reason"] == "duplicate"
     # The same body by RabbitMQ meets the webhook copy (same key), however odd its content.
     settings_ = runtime.settings
     async with broker(RABBITMQ_URL) as (_, channel):

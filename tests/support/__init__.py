@@ -59,6 +59,8 @@ def variants(count: int, *, start: int = 0) -> list[dict[str, Any]]:
             body["date_time"] = f"2026-02-01T10:00:00.{number:06d}Z"
             if isinstance(body["data"], dict):
                 body["data"]["variant"] = number
+                if isinstance(body["data"].get("key"), dict):  # a message is its id and content
+                    body["data"]["key"]["id"] = f"{body['data']['key']['id']}-{number}"
             else:
                 body["data"] = [*body["data"], {"variant": number}]
         item["name"] = f"{item['name']}#{number}"

@@ -53,6 +53,12 @@ class ProcessingSettings(BaseModel):
         ge=1,
         description="Business-logic attempts after which an event is marked failed; only a replay retries it.",
     )
+    identity_v1_compat_seconds: float = Field(
+        default=7 * 86_400.0,
+        ge=0,
+        description="After the upgrade to message keys of version 2, how long a copy of a message is also matched "
+        "against its version-1 key (only when the inbox held version-1 rows; docs/how-it-works.md).",
+    )
     purge_min_age_seconds: float = Field(
         default=86_400.0,
         ge=0,

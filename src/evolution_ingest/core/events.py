@@ -14,6 +14,8 @@ class Channel(enum.StrEnum):
 
     WEBHOOK = "WEBHOOK"
     RABBITMQ = "RABBITMQ"
+    #: Evolution's stored messages, for messages neither channel delivered (``backfill``).
+    BACKFILL = "BACKFILL"
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,12 +7,21 @@ dedup key, while two genuinely different emissions must not.
 
 Which fields identify an emission depends on the kind of event:
 
-* message events: instance, event and the content of ``data``. Evolution may
-  emit the same message again seconds later with a new ``date_time``; that is
-  the same event, and a chatbot must not answer it twice. A message whose
-  content changed (decrypted, edited) is a new event.
+* one WhatsApp message (``messages.upsert``, ``send.message``, whose ``data`` has a
+  ``key.id``): instance, event, the message's ``key.id`` and ``key.fromMe``, and its
+  content — ``data.message`` without ``base64`` (media Evolution adds to webhook bodies
+  only). Evolution may emit the same message again with a new ``date_time`` or another
+  delivery ``status``: the same event, a chatbot must not answer it twice. A message whose
+  content changed (decrypted, edited) is a new event. The same identity can be computed
+  from the message as Evolution stores it (``POST /chat/findMessages``), which is what lets
+  a backfilled message and a late channel copy of it be one event (docs/how-it-works.md).
+* other message events (updates, deletions, history sets): instance, event and ``data``.
 * every other event: instance, event, ``data`` and ``date_time``. The same state
   emitted again later (``open``, ``close``, ``open``) is a new event each time.
+
+Single-message events were identified by their whole ``data`` before (key version 1):
+:func:`legacy_dedup_key` computes that key, so that a copy arriving after an upgrade still
+finds an event saved before it.
 
 Everything else in the body (``destination``, ``sender``, ``server_url``,
 ``apikey``, fields this service adds such as ``already_saved``) is ignored.
@@ -87,8 +96,14 @@ MESSAGE_EVENTS: Final[frozenset[str]] = frozenset(
     }
 )
 
-#: Body fields that belong to the transport or to this service, never to identity.
+#: Events that carry one WhatsApp message, identified by the message and its content.
+SINGLE_MESSAGE_EVENTS: Final[frozenset[str]] = frozenset({"messages.upsert", "send.message"})
+#: Fields of ``data.message`` that are transport, not content: Evolution adds ``base64`` to
+#: webhook bodies only (``webhookBase64``), never to what it stores.
+_TRANSPORT_FIELDS: Final = frozenset({"base64"})
+
 _KEY_VERSION: Final = b"evolution-ingest/dedup/v1\n"
+_MESSAGE_KEY_VERSION: Final = b"evolution-ingest/dedup/v2/message\n"
 
 
 class InvalidEvent(ValueError):
@@ -115,13 +130,36 @@ def canonical_json(value: Any) -> bytes:
     return codec.canonical(value)
 
 
-def dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
-    """SHA-256 hex of the canonical identity of one Evolution emission."""
+def message_identity(event: str, instance: str, data: Any) -> dict[str, Any] | None:
+    """The identity of a single-message event (see above); None for any other event or shape."""
+    if event not in SINGLE_MESSAGE_EVENTS or not isinstance(data, dict):
+        return None
+    key = data.get("key")
+    if not isinstance(key, dict) or not isinstance(key.get("id"), str) or not key["id"]:
+        return None
+    message = data.get("message")
+    if isinstance(message, dict) and _TRANSPORT_FIELDS & message.keys():
+        message = {k: v for k, v in message.items() if k not in _TRANSPORT_FIELDS}
+    return {"event": event, "instance": instance, "id": key["id"], "fromMe": key.get("fromMe") is True,
+            "content": message}  # fmt: skip
+
+
+def legacy_dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
+    """The key of version 1: the whole ``data`` (and ``date_time`` outside message events)."""
     name = normalize_event_name(event)
     identity: dict[str, Any] = {"event": name, "instance": instance, "data": data}
     if name not in MESSAGE_EVENTS:
         identity["date_time"] = date_time
     return hashlib.sha256(_KEY_VERSION + canonical_json(identity)).hexdigest()
+
+
+def dedup_key(event: str, instance: str, data: Any, date_time: str | None) -> str:
+    """SHA-256 hex of the canonical identity of one Evolution emission."""
+    name = normalize_event_name(event)
+    message = message_identity(name, instance, data)
+    if message is not None:
+        return hashlib.sha256(_MESSAGE_KEY_VERSION + canonical_json(message)).hexdigest()
+    return legacy_dedup_key(name, instance, data, date_time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope, InvalidEvent, parse_envelope
 from evolution_ingest.core.inflight import InFlight
 from evolution_ingest.core.lease import Lease
+from evolution_ingest.core.legacy import LegacyKeys
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.core.redaction import Redactor
 from evolution_ingest.core.runner import Runner
@@ -81,6 +82,7 @@ class Ingestion:
         max_attempts: int = 10,
         busy_wait_seconds: float = 5.0,
         evolution_timezone: tzinfo = UTC,
+        legacy_compat_seconds: float = 0.0,
     ) -> None:
         self.inbox = inbox
         self.locks = locks
@@ -97,6 +99,7 @@ class Ingestion:
         self._forwarding = False
         self._max_attempts = max_attempts
         self._inflight = InFlight(inbox, locks, busy_wait_seconds=busy_wait_seconds)
+        self._legacy = LegacyKeys(inbox, legacy_compat_seconds)
 
     def forward_with(self, forwarder: Forwarder | None) -> None:
         """How relayed and re-sent events reach the business logic, set once at assembly:
@@ -117,9 +120,9 @@ class Ingestion:
         try:
             match request:
                 case Receive(envelope, channel):
-                    return await self._receive(envelope, channel)
+                    return await self._receive(await self._legacy.resolve(envelope), channel)
                 case Relay(envelope, channel):
-                    return await self._relay(envelope, channel)
+                    return await self._relay(await self._legacy.resolve(envelope), channel)
                 case RunSaved(envelope):
                     return await self._run_saved(envelope)
                 case Resend(event, give_up):
