@@ -16,6 +16,8 @@ from redis.backoff import NoBackoff
 from evolution_ingest.config import Settings
 from evolution_ingest.core.redaction import Redactor
 from evolution_ingest.stores import migrations
+from evolution_ingest.stores.backfill_runs import BackfillRuns
+from evolution_ingest.stores.connections import ConnectionLog
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.deliveries import DeliveryLog
 from evolution_ingest.stores.inbox import PostgresInbox
@@ -49,6 +51,8 @@ class Stores:
     reads: InboxReads
     refusals: RefusalLog
     deliveries: DeliveryLog
+    connections: ConnectionLog
+    backfills: BackfillRuns
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -84,6 +88,8 @@ class Stores:
                 db, redactor, counters, max_bytes=settings.refusal_max_bytes, keep=settings.refusals_keep
             ),
             deliveries=DeliveryLog(db),
+            connections=ConnectionLog(db),
+            backfills=BackfillRuns(db),
         )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:

@@ -264,10 +264,10 @@ class PostgresInbox:
         await self._seen(_Seen(dedup_key, channel))
 
     async def _seen_batch(self, seen: list[_Seen]) -> list[None]:
-        for channel in Channel:
+        for channel, statement in _SEEN.items():  # a backfilled copy has no column of its own
             keys = sorted(s.dedup_key for s in seen if s.channel is channel)
             if keys:
-                await self._batch(_SEEN[channel], keys)
+                await self._batch(statement, keys)
         return [None] * len(seen)
 
     async def renew(self, row_id: int, claim: Claim) -> bool:
@@ -282,6 +282,22 @@ class PostgresInbox:
     async def note_error(self, row_id: int, error: str) -> None:
         """Keep why a re-send failed, without counting an attempt (nothing ran)."""
         await self._db.execute(_NOTE_ERROR, row_id, codec.label(error[:_MAX_ERROR_CHARS]))
+
+    async def message_key_v2_since(self) -> datetime | None:
+        """When this inbox, holding version-1 message rows, moved to message keys of version 2."""
+        try:
+            value = await self._db.fetchval(
+                "SELECT at FROM evolution_ingest_meta WHERE name = 'message_key_v2'"
+            )
+        except asyncpg.UndefinedTableError:  # not migrated yet: nothing of version 1 to match
+            return None
+        return value if isinstance(value, datetime) else None
+
+    async def exists(self, dedup_key: str) -> bool:
+        """Whether the inbox holds a row for ``dedup_key``."""
+        return bool(
+            await self._db.fetchval(f"SELECT EXISTS (SELECT 1 FROM {TABLE} WHERE dedup_key = $1)", dedup_key)
+        )
 
     async def attempts(self, row_id: int) -> int | None:
         """Business-logic attempts of a row so far (None: no such row)."""

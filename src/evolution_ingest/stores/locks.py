@@ -89,7 +89,7 @@ class Probe:
 UNAVAILABLE: Final = Probe(available=False)
 
 
-_BITS: Final = {PROCESSED: 1, Channel.WEBHOOK.value: 2, Channel.RABBITMQ.value: 4}
+_BITS: Final = {PROCESSED: 1, Channel.WEBHOOK.value: 2, Channel.RABBITMQ.value: 4, Channel.BACKFILL.value: 8}
 
 
 class RecentlySeen:
