@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
 
 import aio_pika
 import click
 import structlog
 
+from evolution_ingest.channels.backfill import Backfiller, InstanceReport
+from evolution_ingest.channels.backfill_schedule import BackfillScheduler, api_for, senders
 from evolution_ingest.channels.forward import HttpForwarder
 from evolution_ingest.channels.http import create_app
 from evolution_ingest.channels.reconciler import Reconciler
@@ -22,8 +27,10 @@ from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.lifecycle import Component, run_components, webhook_component
 from evolution_ingest.operate.dashboard import Operator
 from evolution_ingest.operate.gaps import GapWatcher
+from evolution_ingest.operate.instances import InstanceWatcher
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import run_migrations
+from evolution_ingest.stores.evolution import EvolutionApi
 from evolution_ingest.stores.postgres import CONNECTION_ERRORS
 from evolution_ingest.stores.queues import BROKER_ERRORS, Topology
 
@@ -112,6 +119,14 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
                 components["gap-watcher"] = GapWatcher(
                     runtime.counters, runtime.redis, settings, runtime.routes
                 ).run
+                components["instance-watcher"] = InstanceWatcher(
+                    runtime.stores.connections, runtime.counters, runtime.redis, settings,
+                    routes=runtime.routes, api=api_for(settings),
+                ).run  # fmt: skip
+                if settings.evolution_url and settings.evolution_api_key and settings.backfill_enabled:
+                    components["backfill"] = BackfillScheduler(
+                        runtime.ingestion, runtime.stores, settings
+                    ).run
             return await run_components(components)
 
 
@@ -121,9 +136,40 @@ class Wiring:
     @asynccontextmanager
     async def runtime(self, settings: Settings, *, forwards: bool = False) -> AsyncIterator[Runtime]:
         """Resources for operator commands: no business logic, no routes; forwards over HTTP when asked."""
-        async with Runtime.open(settings, pipeline=HandlerPipeline(()), with_routes=False) as runtime:
+        async with Runtime.open(
+            settings, pipeline=HandlerPipeline(()), with_routes=False, observe_connections=False
+        ) as runtime:
             if not forwards:
                 yield runtime
                 return
             async with forwarding(runtime, webhook_here=False):
                 yield runtime
+
+
+async def run_backfill(
+    runtime: Runtime, settings: Settings, credentials: tuple[str, str], only: list[str],
+    window: tuple[datetime, datetime], *, dry_run: bool, progress: Callable[[int], None],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """``backfill``: each instance (or those named) over ``window``, a few at a time; a report each."""
+    api = EvolutionApi(*credentials, timeout=settings.evolution_timeout_seconds)
+    try:
+        instances = await api.instances()
+        names = [str(i["name"]) for i in instances if i.get("name")]
+        backfiller = Backfiller(
+            runtime.ingestion, runtime.stores.backfills, api, settings, sender=senders(instances)
+        )
+        limit = asyncio.Semaphore(settings.backfill_concurrency)
+
+        async def one(name: str) -> dict[str, Any]:
+            async with limit:
+                report = await backfiller.backfill(
+                    name, *window, "manual", dry_run=dry_run, progress=progress
+                )
+            return report.as_dict()
+
+        reports = list(await asyncio.gather(*(one(n) for n in names if not only or n in only)))
+    finally:
+        await api.close()
+    for name in sorted(set(only) - set(names)):
+        reports.append({**InstanceReport(name).as_dict(), "error": f"Evolution has no instance {name!r}"})
+    return reports

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import secrets
 import sys
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
 import structlog
 from pydantic import SecretStr
 
-from evolution_ingest.assembly import Wiring, apply_migrations, declare_topology, run_service
+from evolution_ingest.assembly import Wiring, apply_migrations, declare_topology, run_backfill, run_service
 from evolution_ingest.channels.reconciler import Reconciler
-from evolution_ingest.commandline import load_settings, require_secret, run_async, unavailable_is_an_error
+from evolution_ingest.commandline import (
+    evolution_api,
+    load_settings,
+    require_secret,
+    run_async,
+    unavailable_is_an_error,
+)
 from evolution_ingest.config import ConfigError
-from evolution_ingest.operate import actions, console
+from evolution_ingest.operate import actions, console, panels
 from evolution_ingest.operate import commands as admin
+from evolution_ingest.stores.evolution import EvolutionError
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +134,52 @@ def reconcile(once: bool, as_json: bool) -> None:
         click.echo(actions.as_json(report))
     else:
         console.render_reconcile(report)
+
+
+@main.command()
+@click.option("--since", required=True, help="From this age back (6h, 2d) or ISO time.")
+@click.option("--until", help="Up to this age back or ISO time (default: BACKFILL_SETTLE_SECONDS ago).")
+@click.option(
+    "--instance", "instances", multiple=True, help="Only this instance (repeatable); default: every one."
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be ingested; ingest nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def backfill(since: str, until: str | None, instances: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
+    """Ingest the messages Evolution stored that neither channel delivered (resumable; exit 1 on an error)."""
+    settings = load_settings()
+    try:
+        start = admin.when(since) or datetime.now(UTC)
+        end = admin.when(until) or datetime.now(UTC) - timedelta(seconds=settings.backfill_settle_seconds)
+        api_settings = evolution_api(settings)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if start >= end:
+        raise click.BadParameter(
+            f"the window {start:%Y-%m-%d %H:%M:%S} .. {end:%Y-%m-%d %H:%M:%S} is empty", param_hint="--since"
+        )
+
+    async def run() -> list[dict[str, Any]]:
+        async with Wiring().runtime(settings, forwards=not dry_run) as runtime:
+            with console.progress_bar("stored messages read", None, enabled=not as_json) as advance:
+                return await run_backfill(
+                    runtime,
+                    settings,
+                    api_settings,
+                    list(instances),
+                    (start, end),
+                    dry_run=dry_run,
+                    progress=advance,
+                )
+
+    try:
+        reports = run_async(unavailable_is_an_error(run))
+    except EvolutionError as exc:
+        raise click.ClickException(f"Evolution API at {api_settings[0]}: {exc.message}") from None
+    if as_json:
+        click.echo(actions.as_json({"dry_run": dry_run, "instances": reports}))
+    else:
+        panels.render_backfill(reports, dry_run=dry_run)
+    sys.exit(1 if any(r["error"] for r in reports) else 0)
 
 
 for command in admin.COMMANDS:

@@ -57,3 +57,17 @@ def require_secret(settings: Settings) -> str:
             "(worker, reconciler, replay); set the same value for the webhook app"
         )
     return settings.internal_secret.get_secret_value()
+
+
+def evolution_api(settings: Settings) -> tuple[str, str]:
+    """Evolution's URL and API key, or a ConfigError naming the setting that is missing."""
+    if not settings.evolution_url:
+        raise ConfigError(
+            "EVOLUTION_INGEST_EVOLUTION_URL is not set: give Evolution API's base URL (http://evolution:8080)"
+        )
+    if settings.evolution_api_key is None or not settings.evolution_api_key.get_secret_value():
+        raise ConfigError(
+            "EVOLUTION_INGEST_EVOLUTION_API_KEY is not set: give Evolution's global API key "
+            "(its AUTHENTICATION_API_KEY)"
+        )
+    return settings.evolution_url, settings.evolution_api_key.get_secret_value()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import signal
 import sys
@@ -136,6 +137,11 @@ class Evolution:
     dropped_publishes: int = 0
     webhook_gave_up: int = 0
     webhook_retries: int = 0
+    #: DATABASE_SAVE_DATA_NEW_MESSAGE: each message sent is also stored here (then only messages are sent).
+    store: Callable[[dict[str, Any]], Any] | None = None
+    #: Both channels down for the instance: nothing reaches the service (a message is still stored).
+    down: bool = False
+    missed: int = 0
 
     async def __aenter__(self) -> Evolution:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.webhook_timeout))
@@ -149,7 +155,14 @@ class Evolution:
                 await self.connection.close()
 
     async def send(self, n: int) -> str:
-        webhook, rabbit, event = unique_event(n, "drill")
+        webhook, rabbit, event = (
+            unique_event(n, "drill") if self.store is None else unique_message(n, "drill")
+        )
+        if self.store is not None:
+            self.store(webhook["data"])
+        if self.down:
+            self.missed += 1
+            return parse_envelope(webhook).dedup_key
         urls = [self.webhook_url] if isinstance(self.webhook_url, str) else self.webhook_url
         await asyncio.gather(self._webhook(webhook, urls[n % len(urls)]), self._publish(rabbit, event))
         return parse_envelope(webhook).dedup_key
@@ -189,6 +202,15 @@ class Evolution:
         except (aio_pika.exceptions.AMQPException, OSError, TimeoutError, RuntimeError):
             self.dropped_publishes += 1
             self.channel = None
+
+
+def unique_message(n: int, instance: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The ``n``-th unique incoming message, sent now (so that a backfill window holds it)."""
+    webhook, _, event = unique_event(0, instance)  # the first fixture: an incoming text message
+    webhook = copy.deepcopy(webhook)
+    webhook["data"]["key"]["id"] = f"DRILL{n:027d}"
+    webhook["data"]["messageTimestamp"] = int(time.time())
+    return webhook, {k: v for k, v in webhook.items() if k != "destination"}, event
 
 
 @dataclass

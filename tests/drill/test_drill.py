@@ -24,7 +24,9 @@ from evolution_ingest.stores.queues import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.drill.conftest import EVENTS
 from tests.drill.harness import Count, Deployment, Evolution, deployed, replicas, send_all, settle
+from tests.support import running_server
 from tests.support.evolution import broker, depth, remove, restart_rabbitmq
+from tests.support.fake_evolution import FakeEvolution, FakeInstance
 
 pytestmark = [pytest.mark.drill, pytest.mark.timeout(300)]
 
@@ -41,6 +43,7 @@ SHORT_TIMINGS = {
 }
 
 Fault = Callable[[Deployment], Awaitable[None]]
+FAKE_KEY = "fake-evolution-key-of-the-drill"
 
 
 def drill_topology(settings: Settings) -> Topology:
@@ -123,6 +126,7 @@ def check(
 ) -> None:
     notes = (
         f"webhook retries {evolution.webhook_retries}, publishes dropped {evolution.dropped_publishes}"
+        + (f", missed by both channels {evolution.missed} (backfilled)" if evolution.missed else "")
         + (
             f"; doubles allowed (crash after the logic, before processed_at): ≤ {doubles_allowed}"
             if doubles_allowed
@@ -144,6 +148,34 @@ def killed_for_a_second(component: str) -> Fault:
         await deployment.restart(component)
 
     return fault
+
+
+async def test_both_channels_down_for_an_instance_then_back(
+    settings: Settings, tmp_path: Path, uid: str, record: Any
+) -> None:
+    # Evolution stores every message; while both channels are down for the instance (its webhook
+    # gave up, its RabbitMQ publisher dropped) nothing reaches the service. The reconciler's
+    # process backfills on its schedule from the stored messages.
+    fake = FakeEvolution(FAKE_KEY, [FakeInstance("drill")])
+    backfill = {
+        "EVOLUTION_URL": "", "EVOLUTION_API_KEY": FAKE_KEY, "BACKFILL_INTERVAL_SECONDS": "2",
+        "BACKFILL_SETTLE_SECONDS": "0", "BACKFILL_OVERLAP_SECONDS": "600", "GAP_CHECK_INTERVAL_SECONDS": "0.3",
+    }  # fmt: skip
+    async with running_server(fake.app) as evolution_url:
+        backfill["EVOLUTION_URL"] = evolution_url
+        async with drill(settings, tmp_path, uid, **backfill) as (deployment, evolution, trace):
+            evolution.store = lambda data: fake.store("drill", data)
+
+            async def both_down(_: Deployment) -> None:
+                evolution.down = True
+                await asyncio.sleep(
+                    EVENTS / RATE * 0.4
+                )  # wait-ok: both channels stay down for 40 % of the stream
+                evolution.down = False
+
+            count = await run(deployment, evolution, trace, both_down)
+    assert evolution.missed > 0
+    check(count, record, "both channels down for an instance, then back", evolution)
 
 
 async def test_worker_killed_in_the_middle_of_forwards(

@@ -11,6 +11,7 @@ with Evolution's error shape ``{"status", "error", "response": {"message": ...}}
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class FakeEvolution:
         self.fail_next_set: tuple[int, str, Any] | None = None
         #: Seconds every findMessages call takes (a slow page).
         self.find_delay = 0.0
+        #: Per instance, what its next findMessages calls answer, one each: (status, error, message)
+        #: instead of a page, or None for the page.
+        self.fail_finds: dict[str, list[tuple[int, str, Any] | None]] = {}
+        #: DATABASE_SAVE_DATA_NEW_MESSAGE: emitted messages are stored (and findMessages serves them).
+        self.save_messages = True
         self.app = Starlette(
             routes=[
                 Route("/instance/fetchInstances", self._fetch_instances, methods=["GET"]),
@@ -205,17 +211,22 @@ class FakeEvolution:
 
     # --- stored messages (backfill) ----------------------------------------------------------
     async def _find_messages(self, request: Request) -> Response:
-        import asyncio  # noqa: PLC0415 - only for the slow page
-
         refused, instance = self._guard(request)
         if refused or instance is None:
             return refused or _error(400, "Bad Request", ["no instance"])
+        planned = self.fail_finds.get(instance.name)
+        failure = planned.pop(0) if planned else None
+        if failure is not None:
+            status, error, message = failure
+            return _error(status, error, message)
         if self.find_delay:
             await asyncio.sleep(self.find_delay)  # wait-ok: a slow Evolution, on purpose
-        query = orjson.loads(await request.body()) if await request.body() else {}
+        raw = await request.body()
+        query = orjson.loads(raw) if raw else {}
         where = query.get("where") or {}
         stamp = where.get("messageTimestamp") or {}
-        rows = [m for m in instance.messages if _within(m, stamp)]
+        # As Evolution: the time filter applies only with both bounds, in whole seconds.
+        rows = [m for m in instance.messages if not ("gte" in stamp and "lte" in stamp) or _within(m, stamp)]
         rows.sort(key=lambda m: m["messageTimestamp"], reverse=True)
         size = int(query.get("offset") or 50)
         page = max(1, int(query.get("page") or 1))
@@ -224,6 +235,20 @@ class FakeEvolution:
             {"messages": {"total": len(rows), "pages": pages, "currentPage": page,
                           "records": rows[(page - 1) * size : page * size]}}
         )  # fmt: skip
+
+    def store(self, instance: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Keep a message as Evolution's ``message.create`` does (findMessages' row shape)."""
+        found = self.instances[instance]
+        message = {k: v for k, v in (data.get("message") or {}).items() if k != "base64"}
+        record = {
+            "id": "m" + uuid.uuid4().hex[:24], "key": data["key"], "pushName": data.get("pushName"),
+            "messageType": data.get("messageType", "conversation"), "message": message,
+            "messageTimestamp": data.get("messageTimestamp", int(time.time())), "instanceId": found.id,
+            "source": data.get("source", "android"), "contextInfo": data.get("contextInfo"),
+            "MessageUpdate": [{"status": data["status"]}] if data.get("status") else [],
+        }  # fmt: skip
+        found.messages.append(record)
+        return record
 
     # --- emitting, as Evolution does -----------------------------------------------------------
     async def emit(
@@ -240,6 +265,8 @@ class FakeEvolution:
         we = env_name(event)
         date_time = _now()
         statuses: list[int] = []
+        if self.save_messages and event in {"messages.upsert", "send.message"} and isinstance(data, dict):
+            self.store(instance, data)
         spread = extra if self.version == "2.4" and extra else {}
         base = {**spread, "event": event, "instance": instance, "data": data, "date_time": date_time,
                 "sender": "5511999990000@s.whatsapp.net", "server_url": "http://evolution.example.test",
@@ -284,10 +311,7 @@ class FakeEvolution:
 
 
 def _within(message: dict[str, Any], stamp: dict[str, Any]) -> bool:
-    at = message["messageTimestamp"]
-    for bound, keep in (("gte", lambda t, b: t >= b), ("lte", lambda t, b: t <= b)):
-        if bound in stamp:
-            limit = int(datetime.fromisoformat(str(stamp[bound]).replace("Z", "+00:00")).timestamp())
-            if not keep(at, limit):
-                return False
-    return True
+    low, high = (
+        int(datetime.fromisoformat(str(stamp[b]).replace("Z", "+00:00")).timestamp()) for b in ("gte", "lte")
+    )
+    return low <= message["messageTimestamp"] <= high

@@ -18,7 +18,7 @@ import click
 from evolution_ingest.commandline import load_settings, run_async, unavailable_is_an_error
 from evolution_ingest.config import ConfigError, Settings
 from evolution_ingest.logic.routes_file import RoutesFile, configured_routes
-from evolution_ingest.operate import actions, checks, console, views
+from evolution_ingest.operate import actions, checks, console, panels, views
 from evolution_ingest.operate.connect_command import connect
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores.inbox_reads import Filters
@@ -57,6 +57,7 @@ def status(wiring: Wiring, as_json: bool) -> None:
         click.echo(actions.as_json(report))
     else:
         console.render_status(report)
+        panels.render_evolution(report)
 
 
 @click.command()
@@ -106,7 +107,7 @@ def inspect(wiring: Wiring, ref: str, as_json: bool, show_apikey: bool) -> None:
         console.render_row(row)
 
 
-def _when(value: str | None) -> datetime | None:
+def when(value: str | None) -> datetime | None:
     """An ISO time (UTC if no zone), or an age back from now (``2h``)."""
     if value is None:
         return None
@@ -164,7 +165,7 @@ def replay(
 ) -> None:
     """Send failed events and parked messages (and, with --refused, refused bodies) back through processing."""
     settings = load_settings()
-    filters = Filters(event, instance, _when(since), _when(until))
+    filters = Filters(event, instance, when(since), when(until))
     report = actions.ReplayReport(dry_run=dry_run)
 
     async def run_replay() -> dict[str, Any]:

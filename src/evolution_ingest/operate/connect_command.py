@@ -11,8 +11,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from evolution_ingest.commandline import load_settings, run_async
-from evolution_ingest.config import Settings
+from evolution_ingest.commandline import evolution_api, load_settings, run_async
+from evolution_ingest.config import ConfigError, Settings
 from evolution_ingest.core import codec
 from evolution_ingest.operate import actions, console
 from evolution_ingest.operate.connect import (
@@ -32,21 +32,16 @@ _WILDCARDS = {"0.0.0.0", "::", ""}  # noqa: S104 - names, not a bind
 
 def _api(settings: Settings) -> tuple[str, str]:
     """Evolution's URL and key, or a message naming the setting that is missing."""
-    if not settings.evolution_url:
-        raise click.ClickException(
-            "EVOLUTION_INGEST_EVOLUTION_URL is not set: give Evolution API's base URL (http://evolution:8080)"
-        )
-    if settings.evolution_api_key is None or not settings.evolution_api_key.get_secret_value():
-        raise click.ClickException(
-            "EVOLUTION_INGEST_EVOLUTION_API_KEY is not set: give Evolution's global API key "
-            "(its AUTHENTICATION_API_KEY)"
-        )
+    try:
+        found = evolution_api(settings)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     if settings.webhook_public_url is None and settings.host in _WILDCARDS:
         raise click.ClickException(
             f"EVOLUTION_INGEST_WEBHOOK_PUBLIC_URL is not set, and HOST {settings.host!r} is no address Evolution "
             "can call: give the URL Evolution reaches this service at (http://ingest:8080)"
         )
-    return settings.evolution_url, settings.evolution_api_key.get_secret_value()
+    return found
 
 
 async def _wait(connector: Connector, report: ConnectReport, settings: Settings, *, since: float, within: float, shown: bool) -> None:  # fmt: skip
