@@ -99,6 +99,11 @@ async def test_the_dashboard_shows_the_figures_of_a_known_set_of_events(
         assert await refusals.count() == 1
         assert "missing field 'instance'" in await refusals.first.inner_text()
         assert "1 kept" in (await page.text_content("#refusals-summary") or "")
+        # The fixtures' connection.update events: connecting, open, then closed (logged out, 401).
+        instance_row = await page.locator("#instances tr[data-instance=acme-sales]").inner_text()
+        assert "close" in instance_row
+        assert "401, logged out" in instance_row
+        assert "no backfill yet" in await page.inner_text("#backfill")
         await asyncio.to_thread(ARTIFACTS.mkdir, parents=True, exist_ok=True)
         await page.screenshot(path=ARTIFACTS / "dashboard.png", full_page=True)
 

@@ -21,7 +21,7 @@ from tests.support.evolution import EvolutionPublisher, broker, delete, remove
 from tests.support.fake_evolution import FakeEnvironment, FakeInstance
 from tests.test_admin import cli
 from tests.test_cli import env_for
-from tests.test_connect import TOKEN, connect_env, evolution
+from tests.test_connect import TOKEN, a_message, connect_env, evolution
 
 MESSAGE = fixture("messages_upsert_text_incoming")["webhook_body"]["data"]
 
@@ -183,7 +183,7 @@ async def test_apikey_auth_cannot_pass_while_evolution_does_not_expose_it(
             refused = await fake.emit(http, None, "acme-key", "messages.upsert", MESSAGE)
             code, results = await check(env)
             fake.env.expose_apikey = True
-            accepted = await fake.emit(http, None, "acme-key", "messages.upsert", {**MESSAGE, "n": 2})
+            accepted = await fake.emit(http, None, "acme-key", "messages.upsert", a_message(2))
     assert only(quiet, "webhook auth vs evolution")["state"] == "warn"
     assert (
         "passes only with AUTHENTICATION_EXPOSE_IN_FETCH_INSTANCES=true"

@@ -14,6 +14,7 @@ from evolution_ingest.config import Settings
 from evolution_ingest.core.ingestion import Ingestion
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.logic.connections import ConnectionObserver
 from evolution_ingest.logic.router import Router
 from evolution_ingest.logic.routes_file import RoutesFile, configured_routes
 from evolution_ingest.stores import Stores
@@ -56,13 +57,19 @@ class Runtime:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, settings: Settings, *, pipeline: HandlerPipeline | None = None, with_routes: bool = True
+        cls,
+        settings: Settings,
+        *,
+        pipeline: HandlerPipeline | None = None,
+        with_routes: bool = True,
+        observe_connections: bool = True,
     ) -> AsyncIterator[Runtime]:
         """Open everything; on exit wait for work in flight, then close the stores.
 
         With a routes file (and ``with_routes``), the built-in router runs before ``pipeline``
         (default: the configured handlers). A wrong routes file raises ``ConfigError`` before
-        anything opens.
+        anything opens. ``observe_connections``: keep each instance's connection state from its
+        ``connection.update`` events first (:mod:`evolution_ingest.logic.connections`).
         """
         routes = configured_routes(settings) if with_routes else None
         pipeline = pipeline or HandlerPipeline.from_specs(settings.handlers, default=routes is None)
@@ -78,6 +85,10 @@ class Runtime:
                     key_prefix=settings.redis_key_prefix,
                 )
                 pipeline = pipeline.before(router)
+            if observe_connections:
+                pipeline = pipeline.before(
+                    ConnectionObserver(stores.connections, ZoneInfo(settings.evolution_timezone))
+                )
             ingestion = Ingestion(
                 inbox=stores.inbox,
                 locks=stores.locks,
@@ -87,6 +98,7 @@ class Runtime:
                 max_attempts=settings.reconcile_max_attempts,
                 busy_wait_seconds=settings.lock_busy_wait_seconds,
                 evolution_timezone=ZoneInfo(settings.evolution_timezone),
+                legacy_compat_seconds=settings.identity_v1_compat_seconds,
             )
             try:
                 yield cls(settings, stores, ingestion, routes, router)

@@ -29,7 +29,7 @@ _STATE_MARK = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[red]FA
 _CHANNEL_COLUMNS = ("received", "processed", "skipped_duplicate", "skipped_locked", "failed")
 
 
-def _age(seconds: float | None) -> str:
+def age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
@@ -38,7 +38,7 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def _section_error(title: str, section: dict[str, Any]) -> bool:
+def section_error(title: str, section: dict[str, Any]) -> bool:
     if section.get("ok"):
         return False
     out().print(f"[bold]{title}[/]: [red]unavailable[/] ({escape(str(section.get('error')))})")
@@ -48,11 +48,11 @@ def _section_error(title: str, section: dict[str, Any]) -> bool:
 def render_status(report: dict[str, Any]) -> None:
     out().print(f"[bold]evolution-ingest status[/] at {report['at']}")
     inbox = report["inbox"]
-    if not _section_error("Inbox", inbox):
+    if not section_error("Inbox", inbox):
         table = Table(title="Inbox", box=box.SIMPLE, title_justify="left")
         for column in (
             "pending",
-            f"stuck (> {_age(inbox['stuck_after_seconds'])})",
+            f"stuck (> {age(inbox['stuck_after_seconds'])})",
             "failed",
             "oldest pending",
             "rows",
@@ -60,14 +60,14 @@ def render_status(report: dict[str, Any]) -> None:
             table.add_column(column, justify="right")
         table.add_row(
             str(inbox["pending"]),
-            _warn_if(inbox["stuck"]),
-            _warn_if(inbox["failed"]),
-            _age(inbox["oldest_pending_age_seconds"]),
+            warn_if(inbox["stuck"]),
+            warn_if(inbox["failed"]),
+            age(inbox["oldest_pending_age_seconds"]),
             str(inbox["rows"]),
         )
         out().print(table)
     counters = report["counters"]
-    if not _section_error("Counters", counters):
+    if not section_error("Counters", counters):
         table = Table(
             title="Per channel (counters since the counters were created)",
             box=box.SIMPLE,
@@ -92,7 +92,7 @@ def render_status(report: dict[str, Any]) -> None:
     render_routes(report["routes"])
     render_refusals(report["refusals"])
     rabbit = report["rabbitmq"]
-    if not _section_error("RabbitMQ", rabbit):
+    if not section_error("RabbitMQ", rabbit):
         table = Table(title=f"RabbitMQ ({rabbit['mode']} mode)", box=box.SIMPLE, title_justify="left")
         for column in ("queue", "messages", "consumers"):
             table.add_column(column, justify="right" if column != "queue" else "left")
@@ -118,12 +118,12 @@ def render_status(report: dict[str, Any]) -> None:
 
 
 def render_refusals(section: dict[str, Any]) -> None:
-    if _section_error("Refused bodies", section):
+    if section_error("Refused bodies", section):
         return
     summary = section["summary"]
     out().print(
         f"[bold]Refused bodies[/]: {summary['kept']} kept (the newest {summary['keep']}), "
-        f"{_warn_if(summary['last_24h'])} in the last 24 h, {summary['not_replayed']} not replayed"
+        f"{warn_if(summary['last_24h'])} in the last 24 h, {summary['not_replayed']} not replayed"
     )
     for row in summary["last_24h_by_code"]:
         out().print(f"  {row['source']} {row['code']}: {row['refusals']}")
@@ -153,7 +153,7 @@ def render_refusal(row: dict[str, Any]) -> None:
 
 
 def render_routes(section: dict[str, Any]) -> None:
-    if not section.get("configured") or _section_error("Routes", section):
+    if not section.get("configured") or section_error("Routes", section):
         return
     table = Table(title=f"Routes ({section['file']})", box=box.SIMPLE, title_justify="left")
     columns = ("forwarded", "failed", "permanent", "dropped", "alerts_sent", "alerts_suppressed")
@@ -162,7 +162,7 @@ def render_routes(section: dict[str, Any]) -> None:
         table.add_column(column.replace("_", " "), justify="right")
     for name, values in section["routes"].items():
         table.add_row(
-            name, *(_warn_if(values[c]) if c in {"failed", "permanent"} else str(values[c]) for c in columns)
+            name, *(warn_if(values[c]) if c in {"failed", "permanent"} else str(values[c]) for c in columns)
         )
     out().print(table)
     for problem in section["problems"]:
@@ -172,7 +172,7 @@ def render_routes(section: dict[str, Any]) -> None:
         )
 
 
-def _warn_if(value: int) -> str:
+def warn_if(value: int) -> str:
     return f"[yellow]{value}[/]" if value else "0"
 
 

@@ -24,7 +24,13 @@ from evolution_ingest.operate.coverage import CHANNELS, coverage, raised_gaps
 from evolution_ingest.operate.errors import STORE_ERRORS
 from evolution_ingest.operate.metrics import Metrics
 from evolution_ingest.operate.readiness import Readiness
-from evolution_ingest.operate.views import inspect, refusal_section
+from evolution_ingest.operate.views import (
+    backfill_section,
+    counter_section,
+    inspect,
+    instances_section,
+    refusal_section,
+)
 from evolution_ingest.stores import Stores
 
 
@@ -141,6 +147,10 @@ class Operator:
         data["gap_after_seconds"] = self._settings.gap_alert_after_seconds
         data["inbox"], data["rabbitmq"] = await self.metrics.stores()
         data["refusals"] = await refusal_section(self._stores.refusals)
+        data["instances"] = await instances_section(self._stores, self._settings)
+        data["backfill"] = await backfill_section(
+            self._stores, await counter_section(self._stores.counters), self._settings
+        )
         try:
             data["failures"] = await self._stores.reads.recent_failures()
         except STORE_ERRORS as exc:  # shown on the page

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import aio_pika
@@ -24,6 +25,7 @@ from aio_pika.abc import AbstractConnection
 
 from evolution_ingest.config import RabbitMode, Settings, WebhookAuth
 from evolution_ingest.core.identity import EMITTED_EVENTS
+from evolution_ingest.core.stored import as_evolution_time
 from evolution_ingest.operate.connect import Connector
 from evolution_ingest.operate.errors import STORE_ERRORS
 from evolution_ingest.stores import Stores
@@ -59,7 +61,9 @@ async def check(stores: Stores, settings: Settings, add: Add) -> None:
             timeout=settings.evolution_timeout_seconds,
         )
         try:
-            instances |= await _compare_with_connect(api, settings, recent, add)
+            states = await _compare_with_connect(api, settings, recent, add)
+            instances |= set(states)
+            await _stored_messages(api, stores, [n for n, state in states.items() if state == "open"], add)
         finally:
             await api.close()
     await _queues(settings, sorted(instances), add)
@@ -69,14 +73,14 @@ async def check(stores: Stores, settings: Settings, add: Add) -> None:
 
 async def _compare_with_connect(
     api: EvolutionApi, settings: Settings, recent: dict[str, set[str]], add: Add
-) -> set[str]:
-    """Instances whose settings differ from what ``connect`` would set; returns every instance's name."""
+) -> dict[str, str | None]:
+    """Instances whose settings differ from what ``connect`` would set; returns each one's state."""
     mode = "global" if any("global" in paths for paths in recent.values()) else "instance"
     try:
         report = await Connector(api, settings, webhook_mode=mode).plan()
     except EvolutionError as exc:
-        add("evolution api", "fail", f"{api.url}: {exc.message}")
-        return set()
+        add("evolution api", "fail", f"{api.url}: {exc.message} (connect, this check and backfill need it)")
+        return {}
     add("evolution api", "ok", f"{api.url}: {len(report.instances)} instance(s)")
     differing = [
         f"{plan.name} ({kind}: {', '.join(c.field for c in setting.changes)})"
@@ -98,7 +102,41 @@ async def _compare_with_connect(
             "ok",
             f"webhook and RabbitMQ settings as `connect` sets them ({mode} webhook)",
         )
-    return {plan.name for plan in report.instances}
+    return {plan.name: plan.state for plan in report.instances}
+
+
+async def _stored_messages(api: EvolutionApi, stores: Stores, connected: list[str], add: Add) -> None:
+    """Does Evolution store messages (DATABASE_SAVE_DATA_NEW_MESSAGE)? Backfill reads nothing else."""
+    until = datetime.now(UTC)
+    since = until - timedelta(days=1)
+    where = {"messageTimestamp": {"gte": as_evolution_time(since), "lte": as_evolution_time(until)}}
+    silent = []
+    for name in connected[:3]:
+        try:
+            answer = await api.find_messages(name, {"where": where, "page": 1, "offset": 1})
+            received = await stores.backfills.received_messages(name, since)
+        except (EvolutionError, *STORE_ERRORS) as exc:
+            add("backfill", "fail", f"cannot read {name}'s stored messages: {getattr(exc, 'message', exc)}")
+            return
+        total = (
+            (answer.get("messages") or {}).get("total", 0) if isinstance(answer.get("messages"), dict) else 0
+        )
+        if total:
+            add(
+                "backfill",
+                "ok",
+                f"Evolution stores messages ({total} of {name} in the last 24 h): backfill reads them",
+            )
+            return
+        if received:
+            silent.append(name)
+    if silent:
+        add(
+            "backfill",
+            "warn",
+            f"Evolution stored no message of {some(silent)} in the last 24 h though it delivered some: "
+            "nothing to backfill from; fix: DATABASE_SAVE_DATA_NEW_MESSAGE=true on Evolution's side",
+        )
 
 
 def _candidates(settings: Settings, instances: list[str]) -> dict[str, str]:

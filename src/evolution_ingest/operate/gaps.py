@@ -22,6 +22,34 @@ from evolution_ingest.stores.deliveries import DeliveryStatus
 log = structlog.get_logger(__name__)
 
 
+class Announcer:
+    """Counts an alert's transition, logs it, and posts it where alerts go (``kind``: gap, instance).
+
+    The URL is ``GAP_ALERT_WEBHOOK_URL``, or the routes file's ``alert_webhook_url``; none: log only.
+    """
+
+    def __init__(self, kind: str, counters: Counters, settings: Settings, routes: RoutesFile | None) -> None:
+        self._kind = kind
+        self._counters = counters
+        self._url = settings.gap_alert_webhook_url or (routes.alert_webhook_url if routes else None)
+        self._courier: Courier | None = Courier() if self._url else None
+
+    async def __call__(self, what: str, instance: str, text: str, *, log_as: str, **fields: Any) -> None:
+        self._counters.incr(f"alert:{self._kind}:{what}")
+        log.warning(f"{log_as} {what}", instance=instance, message=text, **fields)
+        if self._courier is not None and self._url:
+            result = await self._courier.send(
+                f"{self._kind}!{instance}", self._url, chat_message(text), timeout_seconds=10
+            )
+            if result.status is not DeliveryStatus.DELIVERED:
+                self._counters.incr(f"alert:{self._kind}:failed")
+                log.warning(f"{log_as} alert not delivered", error=result.error)
+
+    async def close(self) -> None:
+        if self._courier is not None:
+            await self._courier.close()
+
+
 class GapWatcher:
     """Raises an alert once when a channel goes silent for an instance, and clears it once,
     when that channel delivers again.
@@ -38,8 +66,7 @@ class GapWatcher:
         self._settings = settings
         self._key = gaps_key(settings)
         # Posted where the routes' alerts go, unless a URL of its own is set.
-        self._url = settings.gap_alert_webhook_url or (routes.alert_webhook_url if routes else None)
-        self._courier: Courier | None = Courier() if self._url else None
+        self._announcer = Announcer("gap", counters, settings, routes)
 
     async def check(self) -> tuple[list[Gap], list[tuple[str, str]]]:
         """One look: returns the gaps this call raised and the (instance, channel) it cleared."""
@@ -78,15 +105,7 @@ class GapWatcher:
         return raised, cleared
 
     async def _announce(self, what: str, instance: str, text: str, **fields: Any) -> None:
-        self._counters.incr(f"alert:gap:{what}")
-        log.warning(f"channel gap {what}", instance=instance, message=text, **fields)
-        if self._courier is not None and self._url:
-            result = await self._courier.send(
-                f"gap!{instance}", self._url, chat_message(text), timeout_seconds=10
-            )
-            if result.status is not DeliveryStatus.DELIVERED:
-                self._counters.incr("alert:gap:failed")
-                log.warning("gap alert not delivered", error=result.error)
+        await self._announcer(what, instance, text, log_as="channel gap", **fields)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Look every ``GAP_CHECK_INTERVAL_SECONDS`` until ``stop`` is set."""
@@ -105,5 +124,4 @@ class GapWatcher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self._settings.gap_check_interval_seconds)
         finally:
-            if self._courier is not None:
-                await self._courier.close()
+            await self._announcer.close()

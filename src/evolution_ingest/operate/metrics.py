@@ -23,7 +23,7 @@ from evolution_ingest.config import Settings
 from evolution_ingest.operate.cached import Cached
 from evolution_ingest.operate.coverage import CHANNELS, raised_gaps
 from evolution_ingest.operate.errors import STORE_ERRORS
-from evolution_ingest.operate.views import inbox_section, rabbitmq_section
+from evolution_ingest.operate.views import inbox_section, instances_section, rabbitmq_section
 from evolution_ingest.stores import Stores
 from evolution_ingest.stores.counters import BUCKETS
 
@@ -104,7 +104,7 @@ def counter_families(counters: dict[str, int], families: Families) -> None:
     other = families.counter("counter", "Every other counter of the service, by its Redis name.", ["name"])
     for name, value in sorted(counters.items()):
         channel, _, what = name.partition(":")
-        if what in _OUTCOMES and channel in {"webhook", "rabbitmq", "internal"}:
+        if what in _OUTCOMES and channel in {"webhook", "rabbitmq", "internal", "backfill"}:
             outcome[what].add_metric([channel], value)
         elif what in _SKIPPED:
             skipped.add_metric([channel, _SKIPPED[what]], value)
@@ -168,6 +168,27 @@ def store_families(
                 consumers.add_metric([name, role], state["consumers"])
 
 
+def instance_families(section: dict[str, Any], families: Families) -> None:
+    """Per instance: connected or not, its uptimes, and whether an alert is raised."""
+    if not section.get("ok"):
+        return
+    up = families.gauge("instance_up", "1 while the instance's WhatsApp connection is open.", ["instance"])
+    uptime = families.gauge(
+        "instance_uptime_ratio",
+        "Share of the window the instance was open (of the part known).",
+        ["instance", "window"],
+    )
+    alert = families.gauge(
+        "instance_alert", "1 while an instance alert is raised (logged out, away).", ["instance"]
+    )
+    for item in section["instances"]:
+        up.add_metric([item["instance"]], 1 if item["state"] == "open" else 0)
+        alert.add_metric([item["instance"]], 1 if item["alert"] else 0)
+        for window, ratio in item["uptime"].items():
+            if ratio is not None:
+                uptime.add_metric([item["instance"], window], ratio)
+
+
 class Metrics:
     """``GET /metrics``: one registry per scrape, filled from values read in one go."""
 
@@ -176,7 +197,11 @@ class Metrics:
         self._redis = stores.redis
         self._settings = settings
         self._stores = Cached(
-            lambda: asyncio.gather(inbox_section(stores, settings), rabbitmq_section(settings)),
+            lambda: asyncio.gather(
+                inbox_section(stores, settings),
+                rabbitmq_section(settings),
+                instances_section(stores, settings),
+            ),
             settings.metrics_cache_seconds,
         )
 
@@ -194,6 +219,7 @@ class Metrics:
             redis_up = False
         inbox, rabbitmq = await self.stores()
         store_families(inbox, rabbitmq, redis_up, families)
+        instance_families((await self._stores.get())[2], families)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Frozen(families.items))
         return generate_latest(registry), _EXPOSITION
@@ -201,7 +227,7 @@ class Metrics:
     async def stores(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Inbox figures and queue states, read at most every ``METRICS_CACHE_SECONDS``
         (shared by ``/metrics`` and the dashboard)."""
-        inbox, rabbitmq = await self._stores.get()
+        inbox, rabbitmq, _ = await self._stores.get()
         return inbox, rabbitmq
 
     async def _channel_families(self, families: Families) -> None:

@@ -14,6 +14,7 @@ from evolution_ingest.config import Settings
 from evolution_ingest.core.redaction import REDACTED
 from evolution_ingest.logic.routes_file import RoutesFile
 from evolution_ingest.operate.errors import STORE_ERRORS, failed
+from evolution_ingest.operate.instances import raised_alerts
 from evolution_ingest.stores import Stores, queues
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.refusals import RefusalLog
@@ -91,6 +92,39 @@ async def refusal_section(refusals: RefusalLog, recent: int = 20) -> dict[str, A
         return failed(exc)
 
 
+async def instances_section(stores: Stores, settings: Settings) -> dict[str, Any]:
+    """Each instance's connection: state, since when, last close and why, uptime; its alert if raised."""
+    now = datetime.now(UTC)
+    try:
+        connections = await stores.connections.connections(now)
+        raised = await raised_alerts(stores.redis, settings)
+    except STORE_ERRORS as exc:
+        return failed(exc)
+    return {
+        "ok": True,
+        "down_alert_after_seconds": settings.instance_down_alert_seconds,
+        "instances": [{**c.as_dict(now), "alert": raised.get(c.instance)} for c in connections],
+    }
+
+
+async def backfill_section(stores: Stores, counted: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Backfill's counters and its latest runs."""
+    try:
+        runs = await stores.backfills.recent(10)
+    except STORE_ERRORS as exc:
+        return failed(exc)
+    return {
+        "ok": True,
+        "automatic": bool(
+            settings.evolution_url and settings.evolution_api_key and settings.backfill_enabled
+        ),
+        "counters": counted.get("backfill", {}) if counted.get("ok") else {},
+        "recent_runs": [
+            {k: v.isoformat() if isinstance(v, datetime) else v for k, v in run.items()} for run in runs
+        ],
+    }
+
+
 async def status(stores: Stores, settings: Settings, routes: RoutesFile | None) -> dict[str, Any]:
     counted = await counter_section(stores.counters)
     return {
@@ -100,6 +134,8 @@ async def status(stores: Stores, settings: Settings, routes: RoutesFile | None) 
         "counters": counted,
         "routes": await routes_section(stores, counted, routes, settings),
         "refusals": await refusal_section(stores.refusals, recent=5),
+        "instances": await instances_section(stores, settings),
+        "backfill": await backfill_section(stores, counted, settings),
     }
 
 
