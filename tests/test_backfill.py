@@ -277,7 +277,7 @@ async def test_an_edited_message_and_one_saved_under_its_old_key_are_not_backfil
 
         v1 = legacy_dedup_key("messages.upsert", "acme-sales", old, body["date_time"])
         await db.execute(
-            "INSERT INTO evolution_ingestion_events (dedup_key, event, instance, channel, payload, processed_at) "
+            "INSERT INTO evolution_ingest_inbox (dedup_key, event, instance, channel, payload, processed_at) "
             "VALUES ($1, 'messages.upsert', 'acme-sales', 'WEBHOOK', $2::jsonb, now())",
             v1, orjson.dumps(body).decode(),
         )  # fmt: skip

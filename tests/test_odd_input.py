@@ -101,7 +101,7 @@ async def test_a_row_postgres_rejects_fails_alone_and_is_kept_as_a_refusal_on_bo
     """A constraint this test adds stands for any row Postgres refuses: its batch is split until it
     fails alone, and every other event of the batch is answered as if it had been alone."""
     await db.execute(
-        "ALTER TABLE evolution_ingestion_events ADD CONSTRAINT test_poison CHECK (instance <> 'poison-row')"
+        "ALTER TABLE evolution_ingest_inbox ADD CONSTRAINT test_poison CHECK (instance <> 'poison-row')"
     )
     items = variants(BATCH)
     odd = items[40]

@@ -154,13 +154,13 @@ async def test_metrics_move_with_each_channel_and_gauges_match_the_database(
 
         # Made older than RECONCILE_AFTER_SECONDS, the pending rows are stuck; given up on, failed.
         await db.execute(
-            "UPDATE evolution_ingestion_events SET received_at = now() - interval '10 minutes' "
+            "UPDATE evolution_ingest_inbox SET received_at = now() - interval '10 minutes' "
             "WHERE processed_at IS NULL"
         )
         samples = await scrape(http, base)
         assert value(samples, "evolution_ingest_inbox_stuck") == pending
         assert 599 < value(samples, "evolution_ingest_inbox_oldest_pending_age_seconds") < 700
-        await db.execute("UPDATE evolution_ingestion_events SET failed_at = now() WHERE processed_at IS NULL")
+        await db.execute("UPDATE evolution_ingest_inbox SET failed_at = now() WHERE processed_at IS NULL")
         samples = await scrape(http, base)
         assert value(samples, "evolution_ingest_inbox_failed") == fails
         assert value(samples, "evolution_ingest_inbox_pending") == 0

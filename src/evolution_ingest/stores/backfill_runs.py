@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from evolution_ingest.core import codec
 from evolution_ingest.stores.inbox import TABLE as INBOX
+from evolution_ingest.stores.inbox import VIEW
 from evolution_ingest.stores.postgres import Postgres
 
 TABLE: Final = "evolution_ingest_backfill_runs"
@@ -99,7 +100,7 @@ class BackfillRuns:
         saved under a key of version 1. Reads the rows of that time range (the ``received_at``
         index), so it is kept for these few."""
         records = await self._db.fetch(
-            f"SELECT DISTINCT payload->'data'->'key'->>'id' AS id FROM {INBOX} "
+            f"SELECT DISTINCT payload->'data'->'key'->>'id' AS id FROM {VIEW} "
             "WHERE received_at >= $3 AND instance = $1 AND event IN ('messages.upsert', 'send.message') "
             "AND payload->'data'->'key'->>'id' = ANY($2::text[])",
             instance, ids, since,

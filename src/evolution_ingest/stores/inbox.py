@@ -1,8 +1,10 @@
 """The Postgres inbox: the source of truth for what was received and processed.
 
-One row per event identity (``dedup_key`` is unique). Saving is one
-``INSERT ... ON CONFLICT`` that also records which channel delivered the copy
-and, when asked, claims the row for business logic. The claim (a token and a
+One row per event identity (``dedup_key`` is unique) in ``evolution_ingest_inbox``, its body in
+``evolution_ingest_bodies`` (partitioned by day, so that retention drops a day of bodies at
+once); ``evolution_ingestion_events`` is the view that joins them. Saving is one
+``INSERT ... ON CONFLICT`` that also records which channel delivered the copy, stores the body
+of a new row, and, when asked, claims the row for business logic. The claim (a token and a
 lease) is what keeps business logic to once per event when Redis cannot help.
 """
 
@@ -14,14 +16,33 @@ from datetime import datetime
 from typing import Any, Final
 
 import asyncpg
+import structlog
 
 from evolution_ingest.core import codec
 from evolution_ingest.core.batching import Batcher
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope
+from evolution_ingest.stores.counters import Counters
+from evolution_ingest.stores.inbox_sql import (
+    BODIES,
+    CLAIM_SAVED,
+    GIVE_UP,
+    MARK_PROCESSED,
+    NOTE_ERROR,
+    RECORD_FAILURE,
+    RENEW,
+    SAVE,
+    SEEN,
+    STRIP_MEDIA,
+    TABLE,
+    VIEW,
+)
 from evolution_ingest.stores.postgres import Postgres, RowRejected, row_level
 
-TABLE: Final = "evolution_ingestion_events"
+log = structlog.get_logger(__name__)
+
+__all__ = ["BODIES", "TABLE", "VIEW", "Claim", "PostgresInbox", "SavedRow"]
+
 _MAX_ERROR_CHARS: Final = 4000
 
 
@@ -48,92 +69,6 @@ class SavedRow:
     processed: bool
     #: True when the caller's claim was granted (it may run business logic).
     claimed: bool
-
-
-_CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_until < now()))"
-
-# Every batch locks its rows in dedup_key order, whatever the statement: two batches
-# touching the same rows then always queue up behind each other instead of deadlocking.
-
-_SAVE = f"""
-INSERT INTO {TABLE} AS e
-    (dedup_key, event, instance, channel, payload, payload_text,
-     webhook_seen_at, rabbitmq_seen_at, claim_token, claimed_until)
-SELECT u.key, u.event, u.instance, u.channel, u.payload::jsonb, u.payload_text,
-       CASE WHEN u.channel = 'WEBHOOK' THEN now() END,
-       CASE WHEN u.channel = 'RABBITMQ' THEN now() END,
-       u.token,
-       CASE WHEN u.token IS NOT NULL THEN now() + make_interval(secs => u.lease) END
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::uuid[],
-            $8::float8[])
-     AS u(key, event, instance, channel, payload, payload_text, token, lease)
-ON CONFLICT (dedup_key) DO UPDATE SET
-    webhook_seen_at  = COALESCE(e.webhook_seen_at, EXCLUDED.webhook_seen_at),
-    rabbitmq_seen_at = COALESCE(e.rabbitmq_seen_at, EXCLUDED.rabbitmq_seen_at),
-    claim_token   = CASE WHEN EXCLUDED.claim_token IS NOT NULL AND {_CLAIMABLE}
-                         THEN EXCLUDED.claim_token ELSE e.claim_token END,
-    claimed_until = CASE WHEN EXCLUDED.claim_token IS NOT NULL AND {_CLAIMABLE}
-                         THEN EXCLUDED.claimed_until ELSE e.claimed_until END
-RETURNING dedup_key, id, channel, received_at, attempts, processed_at IS NOT NULL AS processed,
-          claim_token
-"""
-
-_CLAIM_SAVED = f"""
-WITH wanted AS (
-    SELECT * FROM unnest($1::text[], $2::uuid[], $3::float8[]) AS u(key, token, lease)
-), locked AS MATERIALIZED (
-    SELECT e.id FROM {TABLE} AS e JOIN wanted ON e.dedup_key = wanted.key
-    ORDER BY e.dedup_key FOR UPDATE OF e
-)
-UPDATE {TABLE} AS e SET
-    claim_token   = CASE WHEN {_CLAIMABLE} THEN wanted.token ELSE e.claim_token END,
-    claimed_until = CASE WHEN {_CLAIMABLE} THEN now() + make_interval(secs => wanted.lease)
-                         ELSE e.claimed_until END
-FROM locked, wanted
-WHERE e.id = locked.id AND e.dedup_key = wanted.key
-RETURNING e.dedup_key, e.id, e.channel, e.received_at, e.attempts,
-          e.processed_at IS NOT NULL AS processed, e.claim_token
-"""
-
-_MARK_PROCESSED = f"""
-UPDATE {TABLE} AS e SET processed_at = now(), attempts = e.attempts + 1, last_attempt_at = now(),
-                        claim_token = NULL, claimed_until = NULL
-FROM (SELECT id FROM {TABLE} WHERE id = ANY($1::bigint[]) AND processed_at IS NULL
-      ORDER BY dedup_key FOR UPDATE) AS locked
-WHERE e.id = locked.id
-RETURNING e.id
-"""
-
-_SEEN = {
-    channel: f"""
-UPDATE {TABLE} AS e SET {column} = COALESCE(e.{column}, now())
-FROM (SELECT id FROM {TABLE} WHERE dedup_key = ANY($1::text[]) AND {column} IS NULL
-      ORDER BY dedup_key FOR UPDATE) AS locked
-WHERE e.id = locked.id
-"""
-    for channel, column in ((Channel.WEBHOOK, "webhook_seen_at"), (Channel.RABBITMQ, "rabbitmq_seen_at"))
-}
-
-_RENEW = f"""
-UPDATE {TABLE} SET claimed_until = now() + make_interval(secs => $3)
-WHERE id = $1 AND claim_token = $2 AND processed_at IS NULL
-"""
-
-_NOTE_ERROR = f"""
-UPDATE {TABLE} SET last_error = $2 WHERE id = $1 AND processed_at IS NULL
-"""
-
-_GIVE_UP = f"""
-UPDATE {TABLE} SET failed_at = now()
-WHERE id = $1 AND processed_at IS NULL AND failed_at IS NULL AND attempts >= $2
-"""
-
-_RECORD_FAILURE = f"""
-UPDATE {TABLE} SET attempts = attempts + 1, last_error = $2, last_attempt_at = now(),
-    claim_token   = CASE WHEN claim_token = $3 THEN NULL ELSE claim_token END,
-    claimed_until = CASE WHEN claim_token = $3 THEN NULL ELSE claimed_until END
-WHERE id = $1 AND processed_at IS NULL
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +104,13 @@ class PostgresInbox:
     many events, which is what lets the service outrun one statement per event.
     """
 
-    def __init__(self, db: Postgres, *, batch_concurrency: int = 4) -> None:
+    def __init__(
+        self, db: Postgres, *, batch_concurrency: int = 4, strip_media: Counters | None = None
+    ) -> None:
         self._db = db
+        #: When set (RETENTION_STRIP_MEDIA), base64 media leave a body once it is processed,
+        #: counted as ``retention:media_stripped``.
+        self._strip_media = strip_media
         self._saves: Batcher[_Save, SavedRow] = Batcher(
             self._save_batch,
             key=lambda s: s.envelope.dedup_key,
@@ -222,7 +162,7 @@ class PostgresInbox:
     async def _save_batch(self, saves: list[_Save]) -> list[SavedRow]:
         ordered = sorted(saves, key=lambda s: s.envelope.dedup_key)
         records = await self._batch(
-            _SAVE,
+            SAVE,
             [s.envelope.dedup_key for s in ordered],
             [codec.label(s.envelope.event) for s in ordered],
             [codec.label(s.envelope.instance) for s in ordered],
@@ -242,7 +182,7 @@ class PostgresInbox:
 
     async def _claim_batch(self, claims: list[tuple[str, Claim]]) -> list[SavedRow | None]:
         records = await self._batch(
-            _CLAIM_SAVED,
+            CLAIM_SAVED,
             [key for key, _ in claims],
             [claim.token for _, claim in claims],
             [claim.lease_seconds for _, claim in claims],
@@ -256,7 +196,13 @@ class PostgresInbox:
         return await self._marks(row_id)
 
     async def _mark_batch(self, ids: list[int]) -> list[bool]:
-        done = {record["id"] for record in await self._batch(_MARK_PROCESSED, ids)}
+        done = {record["id"] for record in await self._batch(MARK_PROCESSED, ids)}
+        if self._strip_media is not None and done:
+            try:  # the marks are committed: a failure here only leaves the media in
+                stripped = len(await self._batch(STRIP_MEDIA, sorted(done)))
+                self._strip_media.incr("retention:media_stripped", stripped)
+            except asyncpg.PostgresError as exc:
+                log.warning("media not stripped from processed bodies", error=repr(exc))
         return [row_id in done for row_id in ids]
 
     async def record_seen(self, dedup_key: str, channel: Channel) -> None:
@@ -264,7 +210,7 @@ class PostgresInbox:
         await self._seen(_Seen(dedup_key, channel))
 
     async def _seen_batch(self, seen: list[_Seen]) -> list[None]:
-        for channel, statement in _SEEN.items():  # a backfilled copy has no column of its own
+        for channel, statement in SEEN.items():  # a backfilled copy has no column of its own
             keys = sorted(s.dedup_key for s in seen if s.channel is channel)
             if keys:
                 await self._batch(statement, keys)
@@ -272,16 +218,16 @@ class PostgresInbox:
 
     async def renew(self, row_id: int, claim: Claim) -> bool:
         """Extend a claim still held; False when it was lost or the row is done."""
-        return await self._db.execute(_RENEW, row_id, claim.token, claim.lease_seconds) == "UPDATE 1"
+        return await self._db.execute(RENEW, row_id, claim.token, claim.lease_seconds) == "UPDATE 1"
 
     async def record_failure(self, row_id: int, claim: Claim, error: str) -> None:
         """Count a failed attempt, keep its error, and give the claim back."""
-        await self._db.execute(_RECORD_FAILURE, row_id, codec.label(error[:_MAX_ERROR_CHARS]), claim.token)
+        await self._db.execute(RECORD_FAILURE, row_id, codec.label(error[:_MAX_ERROR_CHARS]), claim.token)
 
     # --- re-sending saved events (reconciler, replay) --------------------------------------
     async def note_error(self, row_id: int, error: str) -> None:
         """Keep why a re-send failed, without counting an attempt (nothing ran)."""
-        await self._db.execute(_NOTE_ERROR, row_id, codec.label(error[:_MAX_ERROR_CHARS]))
+        await self._db.execute(NOTE_ERROR, row_id, codec.label(error[:_MAX_ERROR_CHARS]))
 
     async def message_key_v2_since(self) -> datetime | None:
         """When this inbox, holding version-1 message rows, moved to message keys of version 2."""
@@ -306,7 +252,7 @@ class PostgresInbox:
 
     async def give_up(self, row_id: int, max_attempts: int) -> bool:
         """Mark a row failed once it has had ``max_attempts``; True when this call marked it."""
-        return await self._db.execute(_GIVE_UP, row_id, max_attempts) == "UPDATE 1"
+        return await self._db.execute(GIVE_UP, row_id, max_attempts) == "UPDATE 1"
 
     def batch_sizes(self) -> dict[str, float]:
         """Average events per statement so far, per kind of batch (benchmarks, debugging)."""

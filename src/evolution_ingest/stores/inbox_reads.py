@@ -19,7 +19,7 @@ import asyncpg
 from evolution_ingest.core import codec
 from evolution_ingest.core.contract import SavedEvent
 from evolution_ingest.core.identity import normalize_event_name
-from evolution_ingest.stores.inbox import TABLE
+from evolution_ingest.stores.inbox import TABLE, VIEW
 from evolution_ingest.stores.postgres import Postgres
 
 PENDING: Final = "processed_at IS NULL AND failed_at IS NULL"
@@ -45,7 +45,7 @@ _SAVED_COLUMNS: Final = "id, dedup_key, payload, payload_text, attempts, receive
 
 # Rows whose claim is still alive are being processed: a re-send would only find them locked.
 _STUCK_PAGE: Final = f"""
-SELECT {_SAVED_COLUMNS} FROM {TABLE}
+SELECT {_SAVED_COLUMNS} FROM {VIEW}
 WHERE {STUCK}
   AND (claimed_until IS NULL OR claimed_until < now())
   AND (received_at, id) > ($2, $3)
@@ -137,7 +137,7 @@ class InboxReads:
                 clauses.append(f"{column} {op} ${len(args)}")
         args.append(limit)
         query = (
-            f"SELECT {_SAVED_COLUMNS} FROM {TABLE} WHERE {' AND '.join(clauses)} "
+            f"SELECT {_SAVED_COLUMNS} FROM {VIEW} WHERE {' AND '.join(clauses)} "
             f"ORDER BY received_at, id LIMIT ${len(args)}"
         )
         return [saved_event(r) for r in await self._db.fetch(query, *args)]
@@ -155,7 +155,7 @@ class InboxReads:
             where, args = "dedup_key >= $1 AND dedup_key < $2", [ref, ref + "g"]
         else:
             raise ValueError(f"{ref!r} is neither a row id nor a dedup key (or 8+ hex characters of one)")
-        records = await self._db.fetch(f"SELECT * FROM {TABLE} WHERE {where} ORDER BY id LIMIT 2", *args)
+        records = await self._db.fetch(f"SELECT * FROM {VIEW} WHERE {where} ORDER BY id LIMIT 2", *args)
         if not records:
             raise LookupError(f"no event matches {ref!r}")
         if len(records) > 1:

@@ -79,8 +79,9 @@ async def state(conn: Connection, schema: str) -> MigrationState:
     )
 
 
-async def migrate(conn: Connection, schema: str) -> list[Migration]:
-    """Apply the pending migrations to ``schema``; return those applied now."""
+async def migrate(conn: Connection, schema: str, *, upto: int | None = None) -> list[Migration]:
+    """Apply the pending migrations to ``schema`` (those up to version ``upto`` if given);
+    return those applied now."""
     lock_key = f"evolution_ingest:migrate:{schema}"
     await conn.execute("SELECT pg_advisory_lock(hashtext($1))", lock_key)
     try:
@@ -95,6 +96,8 @@ async def migrate(conn: Connection, schema: str) -> list[Migration]:
         )
         applied = []
         for migration in (await state(conn, schema)).pending:
+            if upto is not None and migration.version > upto:
+                break
             async with conn.transaction():
                 await conn.execute(f"SET LOCAL search_path TO {_quote(schema)}")
                 await conn.execute(migration.sql)
