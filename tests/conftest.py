@@ -83,9 +83,17 @@ def make_settings(uid: str) -> Callable[..., Settings]:
 
 
 @pytest.fixture
-async def settings(make_settings: Callable[..., Settings], uid: str) -> AsyncIterator[Settings]:
+def settings_overrides() -> dict[str, Any]:
+    """Settings a test module needs from the start (before migration); override it there."""
+    return {}
+
+
+@pytest.fixture
+async def settings(
+    make_settings: Callable[..., Settings], uid: str, settings_overrides: dict[str, Any]
+) -> AsyncIterator[Settings]:
     """Migrated settings; the schema and Redis keys are removed after the test."""
-    current = make_settings()
+    current = make_settings(**settings_overrides)
     await run_migrations(current)
     yield current
     conn = await asyncpg.connect(DATABASE_URL)

@@ -28,6 +28,7 @@ from evolution_ingest.lifecycle import Component, run_components, webhook_compon
 from evolution_ingest.operate.dashboard import Operator
 from evolution_ingest.operate.gaps import GapWatcher
 from evolution_ingest.operate.instances import InstanceWatcher
+from evolution_ingest.operate.retention_job import RetentionJob
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import run_migrations
 from evolution_ingest.stores.evolution import EvolutionApi
@@ -123,6 +124,9 @@ async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconc
                     runtime.stores.connections, runtime.counters, runtime.redis, settings,
                     routes=runtime.routes, api=api_for(settings),
                 ).run  # fmt: skip
+                components["retention"] = RetentionJob(
+                    runtime.stores.retention, runtime.counters, settings
+                ).run
                 if settings.evolution_url and settings.evolution_api_key and settings.backfill_enabled:
                     components["backfill"] = BackfillScheduler(
                         runtime.ingestion, runtime.stores, settings

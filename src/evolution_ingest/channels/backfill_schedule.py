@@ -31,10 +31,10 @@ from evolution_ingest.channels.backfill import NAME, Backfiller, InstanceReport
 from evolution_ingest.config import Settings
 from evolution_ingest.core import stored
 from evolution_ingest.core.ingestion import Ingestion
-from evolution_ingest.stores import Stores
+from evolution_ingest.stores import Stores, leadership
 from evolution_ingest.stores.counters import reraise_cancellation
 from evolution_ingest.stores.evolution import EvolutionApi, EvolutionError
-from evolution_ingest.stores.postgres import Leadership, StoreUnavailable
+from evolution_ingest.stores.postgres import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -61,12 +61,7 @@ class BackfillScheduler:
         self._ingestion = ingestion
         self._stores = stores
         self._settings = settings
-        self._leadership = Leadership(
-            settings.database_url,
-            key=f"evolution_ingest:backfill:{settings.database_schema}",
-            timeout=settings.database_timeout_seconds,
-            role="backfiller",
-        )
+        self._leadership = leadership(settings, "backfill", "backfiller")
         self._started = False
         self._next_schedule = 0.0
         #: Per instance, the last delivery time a silent-instance backfill already covered.

@@ -31,8 +31,9 @@ import structlog
 from evolution_ingest.config import Settings
 from evolution_ingest.core.contract import Outcome, Resend, Result, SavedEvent
 from evolution_ingest.core.ingestion import RESENDS, Ingestion
+from evolution_ingest.stores import leadership
 from evolution_ingest.stores.inbox_reads import InboxReads
-from evolution_ingest.stores.postgres import Leadership, StoreUnavailable
+from evolution_ingest.stores.postgres import StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -69,15 +70,6 @@ class PassReport:
             **self.outcomes,
             "seconds": round(self.seconds, 3),
         }
-
-
-def leadership(settings: Settings) -> Leadership:
-    return Leadership(
-        settings.database_url,
-        key=f"evolution_ingest:reconciler:{settings.database_schema}",
-        timeout=settings.database_timeout_seconds,
-        role="reconciler",
-    )
 
 
 class Reconciler:

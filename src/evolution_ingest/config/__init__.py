@@ -30,6 +30,7 @@ from evolution_ingest.config.evolution import EvolutionSettings
 from evolution_ingest.config.operating import OperatingSettings
 from evolution_ingest.config.processing import ProcessingSettings
 from evolution_ingest.config.rabbitmq import RabbitSettings
+from evolution_ingest.config.retention import RetentionSettings
 from evolution_ingest.config.stores import StoreSettings
 from evolution_ingest.config.webhook import WebhookSettings
 
@@ -45,6 +46,7 @@ PARTS: Final[tuple[tuple[str, type[BaseModel]], ...]] = (
     ("RabbitMQ channel", RabbitSettings),
     ("Business logic, timings and the reconciler", ProcessingSettings),
     ("Operating: logs, metrics, coverage, dashboard", OperatingSettings),
+    ("Retention: how long bodies and rows stay", RetentionSettings),
     ("Evolution API's REST API: connect, check, backfill", EvolutionSettings),
 )
 
@@ -55,6 +57,7 @@ class Settings(
     RabbitSettings,
     ProcessingSettings,
     OperatingSettings,
+    RetentionSettings,
     EvolutionSettings,
     BaseSettings,
 ):

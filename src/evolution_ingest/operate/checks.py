@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from evolution_ingest.config import ConfigError, Settings
+from evolution_ingest.config.retention import SAFE_HORIZON_SECONDS
 from evolution_ingest.logic.routes_file import configured_routes
 from evolution_ingest.operate import evolution_checks
 from evolution_ingest.operate.errors import STORE_ERRORS
@@ -53,8 +55,47 @@ async def check(stores: Stores, settings: Settings) -> list[dict[str, str]]:
             "warn",
             "off: anyone who can reach the port can inject events (EVOLUTION_INGEST_WEBHOOK_AUTH)",
         )
+    await _check_retention(stores, settings, add)
     await evolution_checks.check(stores, settings, add)
     return results
+
+
+async def _check_retention(stores: Stores, settings: Settings, add: Add) -> None:
+    """The horizon against what may bring a late copy, and whether partitions are made ahead."""
+    rows = settings.retention_rows_seconds
+    if not settings.retention_enabled:
+        add(
+            "retention",
+            "warn",
+            "off: the inbox grows until `purge` runs (EVOLUTION_INGEST_RETENTION_ENABLED)",
+        )
+    elif rows < SAFE_HORIZON_SECONDS:
+        add("retention", "warn",
+            f"rows kept {rows:g}s, under a day: a late copy (a queue backlog, a replay) would run again "
+            "(EVOLUTION_INGEST_RETENTION_ROWS_SECONDS)")  # fmt: skip
+    elif settings.backfill_enabled and rows < settings.backfill_max_window_seconds:
+        add("retention", "warn",
+            f"rows kept {rows:g}s, less than BACKFILL_MAX_WINDOW_SECONDS: a backfill would ingest again what "
+            "retention removed (EVOLUTION_INGEST_RETENTION_ROWS_SECONDS)")  # fmt: skip
+    else:
+        add("retention", "ok",
+            f"bodies {settings.retention_bodies_seconds:g}s, rows (the dedup horizon) {rows:g}s")  # fmt: skip
+    try:
+        partitions = await stores.retention.partitions()
+        autovacuum = await stores.retention.autovacuum_on()
+    except STORE_ERRORS:
+        return  # reported by the postgres line
+    if not autovacuum:
+        add("autovacuum", "warn",
+            "off on this server: the retention pass runs VACUUM on the inbox itself, every "
+            "RETENTION_INTERVAL_SECONDS; turn autovacuum on for the rest of the database")  # fmt: skip
+    if not partitions or partitions[-1].end <= time.time():
+        add("partitions", "warn",
+            "no partition of bodies for now: new bodies go to the default partition "
+            "(run `evolution-ingest migrate`, or keep a reconciler running: it makes them)")  # fmt: skip
+    else:
+        ahead = partitions[-1].end - time.time()
+        add("partitions", "ok", f"{len(partitions)} partitions of bodies, made {ahead:,.0f}s ahead")
 
 
 async def _check_postgres(stores: Stores, settings: Settings, add: Add) -> None:

@@ -9,6 +9,7 @@ reaches into a channel.
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -23,7 +24,6 @@ from evolution_ingest.operate.connect_command import connect
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores.inbox_reads import Filters
 from evolution_ingest.stores.refusals import ReplayFilters
-from evolution_ingest.stores.retention import Purge
 
 
 class Wiring(Protocol):
@@ -240,13 +240,18 @@ def purge(
 
     async def run_purge() -> dict[str, Any]:
         async with wiring.runtime(settings) as runtime:
-            purging = Purge(runtime.stores.db, payload_only=payload_only)
-            total = await purging.count(age)
+            retention = runtime.stores.retention
+            total = await retention.count(age, payload_only=payload_only)
             if dry_run:
                 report.rows = total
             else:
+                remove = retention.empty_bodies if payload_only else retention.delete_rows
                 with console.progress_bar("purging", total, enabled=not as_json) as advance:
-                    report.rows = await purging.run(age, batch_size=batch_size, progress=advance)
+                    report.rows = await retention.walk(
+                        lambda after: remove(after, age, batch_size),
+                        until=time.time() - age,
+                        progress=advance,
+                    )
         return report.as_dict()
 
     result = run_async(unavailable_is_an_error(run_purge))

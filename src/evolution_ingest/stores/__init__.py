@@ -23,8 +23,9 @@ from evolution_ingest.stores.deliveries import DeliveryLog
 from evolution_ingest.stores.inbox import PostgresInbox
 from evolution_ingest.stores.inbox_reads import InboxReads
 from evolution_ingest.stores.locks import RedisLocks
-from evolution_ingest.stores.postgres import Postgres, create_pool
+from evolution_ingest.stores.postgres import Leadership, Postgres, create_pool
 from evolution_ingest.stores.refusals import RefusalLog
+from evolution_ingest.stores.retention import Retention, prepare_partitions
 
 _CLOSE_TIMEOUT = 10.0
 
@@ -36,6 +37,16 @@ def redis_client(settings: Settings) -> Redis:
         socket_timeout=settings.redis_timeout_seconds,
         socket_connect_timeout=settings.redis_timeout_seconds,
         retry=Retry(NoBackoff(), 0),
+    )
+
+
+def leadership(settings: Settings, job: str = "reconciler", role: str = "reconciler") -> Leadership:
+    """The advisory lock that makes one process of the replicas the active ``role`` for ``job``."""
+    return Leadership(
+        settings.database_url,
+        key=f"evolution_ingest:{job}:{settings.database_schema}",
+        timeout=settings.database_timeout_seconds,
+        role=role,
     )
 
 
@@ -53,6 +64,7 @@ class Stores:
     deliveries: DeliveryLog
     connections: ConnectionLog
     backfills: BackfillRuns
+    retention: Retention
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -82,7 +94,11 @@ class Stores:
                 lock_ttl=settings.lock_ttl_seconds,
                 seen_ttl=settings.seen_ttl_seconds,
             ),
-            inbox=PostgresInbox(db, batch_concurrency=settings.database_batch_concurrency),
+            inbox=PostgresInbox(
+                db,
+                batch_concurrency=settings.database_batch_concurrency,
+                strip_media=counters if settings.retention_strip_media else None,
+            ),
             reads=InboxReads(db, schema=settings.database_schema),
             refusals=RefusalLog(
                 db, redactor, counters, max_bytes=settings.refusal_max_bytes, keep=settings.refusals_keep
@@ -90,6 +106,7 @@ class Stores:
             deliveries=DeliveryLog(db),
             connections=ConnectionLog(db),
             backfills=BackfillRuns(db),
+            retention=Retention(db),
         )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:
@@ -104,9 +121,23 @@ class Stores:
 
 
 async def run_migrations(settings: Settings) -> list[migrations.Migration]:
-    """Apply pending migrations with a dedicated connection."""
+    """Apply pending migrations with a dedicated connection, then make the coming partitions of
+    bodies (so that the first saves find theirs; the retention leader keeps making them)."""
     conn = await asyncpg.connect(settings.database_url, timeout=settings.database_timeout_seconds)
     try:
-        return await migrations.migrate(conn, settings.database_schema)
+        applied = await migrations.migrate(conn, settings.database_schema)
     finally:
         await conn.close()
+    pool = await create_pool(
+        settings.database_url,
+        schema=settings.database_schema,
+        size=1,
+        command_timeout=settings.database_timeout_seconds,
+        connect_timeout=settings.database_timeout_seconds,
+    )
+    db = Postgres(pool, acquire_timeout=settings.database_timeout_seconds)
+    try:
+        await prepare_partitions(Retention(db), settings)
+    finally:
+        await db.close(_CLOSE_TIMEOUT)
+    return applied

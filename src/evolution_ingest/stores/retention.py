@@ -1,51 +1,325 @@
-"""Removing old processed events from the inbox, in batches: never an unprocessed or failed one."""
+"""Retention of the inbox: partitions of bodies made ahead and dropped when old, rows removed in batches.
+
+Bodies (``evolution_ingest_bodies``) are partitioned by ``received_at``, one partition per
+``RETENTION_PARTITION_SECONDS``, named after the epoch seconds of its bounds. A partition whose
+end is older than the body retention is dropped at once (a ``DROP TABLE``, no dead rows left
+behind), after the bodies of events not processed yet (pending or failed) are copied to their
+row: nothing that may still run loses its body. Rows (keys and states) live in an ordinary
+table whose unique index keeps deciding duplicates; processed rows past the row retention are
+deleted in batches walked in id order (the primary key, which follows ``received_at``), with
+their route deliveries (``ON DELETE CASCADE``) and any body left.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Final
 
-from evolution_ingest.stores.inbox import TABLE
-from evolution_ingest.stores.postgres import Postgres
+import asyncpg
+import structlog
 
-#: ``$1``: the age in seconds. Never a row that is not processed: that is the whole point.
-_PROCESSED_BEFORE: Final = "processed_at IS NOT NULL AND processed_at < now() - make_interval(secs => $1)"
+from evolution_ingest.config import Settings
+from evolution_ingest.stores.deliveries import DELIVERIES
+from evolution_ingest.stores.inbox import BODIES, TABLE
+from evolution_ingest.stores.postgres import Postgres, StoreUnavailable
+
+log = structlog.get_logger(__name__)
+
+#: One batch of a walk: given the last id looked at, (the new last id, its time, rows changed).
+Step = Callable[[int], Awaitable[tuple[int, datetime | None, int]]]
+
+PARTITION_PREFIX: Final = f"{BODIES}_p"
+DEFAULT_PARTITION: Final = f"{BODIES}_default"
+#: Exact counts of a partition's bodies below this; the planner's estimate above.
+_EXACT_UPTO: Final = 200_000
+
+#: Ids of the rows whose body must survive: not processed (pending, or given up on).
+_UNFINISHED: Final = (
+    f"(SELECT id FROM {TABLE} WHERE processed_at IS NULL AND failed_at IS NULL "
+    f"UNION ALL SELECT id FROM {TABLE} WHERE failed_at IS NOT NULL AND processed_at IS NULL)"
+)
+
+#: ``$3``: the age in seconds. Processed that long ago (so also received that long ago).
+_OLD: Final = "i.processed_at IS NOT NULL AND i.processed_at < now() - make_interval(secs => $3)"
+
+#: One step of a walk in id order: ``$1`` the last id seen, ``$2`` the batch size.
+_WALK: Final = f"""
+WITH batch AS MATERIALIZED (SELECT id, received_at FROM {TABLE} WHERE id > $1 ORDER BY id LIMIT $2),
+{{action}}
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT max(received_at) FROM batch) AS newest,
+       (SELECT count(*) FROM done) AS done
+"""
+
+_DELETE_ROWS: Final = _WALK.format(
+    action=f"""done AS (DELETE FROM {TABLE} AS i USING batch WHERE i.id = batch.id AND {_OLD} RETURNING i.id),
+bodies AS (DELETE FROM {BODIES} AS b USING done WHERE b.event_id = done.id)"""
+)
+
+_EMPTY_LEGACY: Final = f"""done AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM batch
+         WHERE i.id = batch.id AND i.payload IS NOT NULL AND {_OLD} RETURNING i.id)"""
+
+#: Bodies kept in the row (saved before partitioning, or rescued) only; partitions are dropped.
+_EMPTY_LEGACY_BODIES: Final = _WALK.format(action=_EMPTY_LEGACY)
+
+#: Both kinds (``purge --payload-only``, whose age need not match a partition's end).
+_EMPTY_BODIES: Final = _WALK.format(
+    action=f"""old AS MATERIALIZED (SELECT i.id FROM {TABLE} AS i JOIN batch ON i.id = batch.id WHERE {_OLD}),
+legacy AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM old
+           WHERE i.id = old.id AND i.payload IS NOT NULL RETURNING i.id),
+partitioned AS (DELETE FROM {BODIES} AS b USING old WHERE b.event_id = old.id RETURNING b.event_id),
+done AS (SELECT id FROM legacy UNION SELECT event_id FROM partitioned)"""
+)
+
+_RESCUE: Final = f"""
+UPDATE {TABLE} AS i SET payload = b.payload, payload_text = b.payload_text
+  FROM {_UNFINISHED} AS u JOIN "{{partition}}" AS b ON b.event_id = u.id
+ WHERE i.id = u.id
+"""
+
+_SIZES: Final = f"""
+SELECT pg_total_relation_size(to_regclass('{TABLE}')) AS rows_bytes,
+       COALESCE((SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits
+                  WHERE inhparent = to_regclass('{BODIES}')), 0)::bigint AS bodies_bytes,
+       pg_total_relation_size(to_regclass('{DELIVERIES}')) AS deliveries_bytes,
+       (SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass('{BODIES}')) AS partitions,
+       (SELECT received_at FROM {TABLE} ORDER BY id LIMIT 1) AS oldest,
+       now() AS now
+"""
 
 
-def _purgeable(payload_only: bool) -> str:
-    return _PROCESSED_BEFORE + (" AND payload IS NOT NULL" if payload_only else "")
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """One partition of bodies: ``[start, end)`` in epoch seconds, which its name carries."""
+
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return f"{PARTITION_PREFIX}{self.start}_{self.end}"
+
+    @classmethod
+    def named(cls, name: str) -> Partition | None:
+        start, _, end = name.removeprefix(PARTITION_PREFIX).partition("_")
+        if not name.startswith(PARTITION_PREFIX) or not (start.isdigit() and end.isdigit()):
+            return None
+        return cls(int(start), int(end))
+
+    def bound(self, at: int) -> str:
+        return datetime.fromtimestamp(at, UTC).isoformat()
 
 
-class Purge:
-    """Deletes processed rows older than an age (or only their stored bodies, keeping the keys)."""
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    partition: Partition
+    bodies: int
+    rescued: int
 
-    def __init__(self, db: Postgres, *, payload_only: bool) -> None:
+
+class Retention:
+    """Partitions of bodies, batched removals, and the inbox's size (``status``, ``/metrics``)."""
+
+    def __init__(self, db: Postgres, *, lock_timeout_seconds: float = 2.0) -> None:
         self._db = db
-        self.payload_only = payload_only
+        self._lock_timeout_ms = max(1, int(lock_timeout_seconds * 1000))
 
-    async def count(self, older_than: float) -> int:
-        return int(
+    async def partitions(self) -> list[Partition]:
+        records = await self._db.fetch(
+            "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass($1)",
+            BODIES,
+        )
+        found = (Partition.named(r["relname"]) for r in records)
+        return sorted((p for p in found if p is not None), key=lambda p: p.start)
+
+    async def ensure_partitions(self, now: float, span: float, ahead: float) -> list[Partition]:
+        """Create partitions from the last one (or the current span) until ``now + ahead``.
+
+        A body saved while its partition was missing sits in the default partition; the next
+        partition then starts after it, and the default keeps that stretch.
+        """
+        step = max(1, int(span))
+        existing = await self.partitions()
+        start = existing[-1].end if existing else int(now // step * step)
+        created = []
+        while start < now + ahead:
+            stray = await self._db.fetchval(
+                f"SELECT max(received_at) FROM {DEFAULT_PARTITION} WHERE received_at >= to_timestamp($1)",
+                start,
+            )
+            if stray is not None:
+                start = max(start, math.floor(stray.timestamp()) + 1)
+            partition = Partition(start, (start // step + 1) * step)
+            await self._create(partition)
+            created.append(partition)
+            start = partition.end
+        return created
+
+    async def _create(self, partition: Partition) -> None:
+        # Made alone, then attached: ATTACH does not block saves (CREATE ... PARTITION OF would).
+        async with self._db.connection() as conn, conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
+            await conn.execute(f'CREATE TABLE "{partition.name}" (LIKE {BODIES} INCLUDING DEFAULTS)')
+            await conn.execute(
+                f'ALTER TABLE {BODIES} ATTACH PARTITION "{partition.name}" FOR VALUES '
+                f"FROM ('{partition.bound(partition.start)}') TO ('{partition.bound(partition.end)}')"
+            )
+
+    async def drop_partitions(self, now: float, older_than: float) -> list[Dropped]:
+        """Drop every partition whose end is older than ``older_than`` seconds, oldest first."""
+        dropped = []
+        for partition in await self.partitions():
+            if partition.end > now - older_than:
+                break
+            dropped.append(await self._drop(partition))
+        return dropped
+
+    async def _drop(self, partition: Partition) -> Dropped:
+        async with self._db.connection() as conn, conn.transaction():
+            await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
+            rescued = await conn.execute(_RESCUE.format(partition=partition.name))
+            estimate = await conn.fetchval(
+                "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)",
+                partition.name,
+            )
+            bodies = (
+                estimate
+                if estimate >= _EXACT_UPTO
+                else await conn.fetchval(f'SELECT count(*) FROM "{partition.name}"')
+            )
+            await conn.execute(f'DROP TABLE "{partition.name}"')
+        return Dropped(partition, int(bodies), int(rescued.split()[-1]))
+
+    async def empty_default(self, older_than: float, batch_size: int) -> int:
+        """Bodies of processed events caught by the default partition, past the body retention."""
+        status = await self._db.execute(
+            f"DELETE FROM {DEFAULT_PARTITION} WHERE (event_id, received_at) IN ("
+            f"SELECT b.event_id, b.received_at FROM {DEFAULT_PARTITION} AS b JOIN {TABLE} AS i ON i.id = b.event_id "
+            "WHERE b.received_at < now() - make_interval(secs => $1) AND i.processed_at IS NOT NULL LIMIT $2)",
+            older_than,
+            batch_size,
+        )
+        return int(status.split()[-1])
+
+    async def first_id(self) -> int:
+        """Where a walk starts: just before the oldest row."""
+        value = await self._db.fetchval(f"SELECT min(id) FROM {TABLE}")
+        return 0 if value is None else int(value) - 1
+
+    async def delete_rows(
+        self, after_id: int, older_than: float, batch_size: int
+    ) -> tuple[int, datetime | None, int]:
+        """One batch of processed rows past ``older_than``: (last id looked at, its time, rows deleted)."""
+        return await self._step(_DELETE_ROWS, after_id, older_than, batch_size)
+
+    async def empty_bodies(
+        self, after_id: int, older_than: float, batch_size: int, *, legacy_only: bool = False
+    ) -> tuple[int, datetime | None, int]:
+        """One batch of bodies of processed rows past ``older_than`` (rows and keys kept);
+        ``legacy_only``: only bodies kept in the row, not in a partition."""
+        query = _EMPTY_LEGACY_BODIES if legacy_only else _EMPTY_BODIES
+        return await self._step(query, after_id, older_than, batch_size)
+
+    async def walk(
+        self,
+        step: Step,
+        *,
+        until: float,
+        progress: Callable[[int], None],
+        pause: float = 0.0,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> int:
+        """Batches of ``step`` in id order from the oldest row, until the rows reached were
+        received after ``until`` (epoch seconds) or none is left; ``progress`` gets each count."""
+        after, total = await self.first_id(), 0
+        while not stopped():
+            after, newest, count = await step(after)
+            total += count
+            progress(count)
+            if newest is None or newest.timestamp() >= until:
+                break
+            if pause:
+                await asyncio.sleep(pause)
+        return total
+
+    async def _step(
+        self, query: str, after_id: int, older_than: float, batch_size: int
+    ) -> tuple[int, datetime | None, int]:
+        record = await self._db.fetchrow(query, after_id, batch_size, older_than)
+        assert record is not None
+        return (record["last_id"] or after_id, record["newest"], int(record["done"]))
+
+    async def count(self, older_than: float, *, payload_only: bool) -> int:
+        """Rows (or bodies) a purge of ``older_than`` would remove."""
+        body = (
+            f" AND (i.payload IS NOT NULL OR EXISTS (SELECT 1 FROM {BODIES} AS b WHERE b.event_id = i.id))"
+            if payload_only
+            else ""
+        )
+        query = f"SELECT count(*) FROM {TABLE} AS i WHERE {_OLD.replace('$3', '$1')}{body}"
+        return int(await self._db.fetchval(query, older_than))
+
+    async def sizes(self) -> dict[str, object]:
+        """Bytes of rows, bodies and deliveries (indexes and TOAST included), partitions, oldest row."""
+        try:
+            record = await self._db.fetchrow(_SIZES)
+        except asyncpg.UndefinedTableError:  # not migrated yet
+            return {}
+        assert record is not None
+        oldest = record["oldest"]
+        return {
+            "rows_bytes": int(record["rows_bytes"] or 0),
+            "bodies_bytes": int(record["bodies_bytes"] or 0),
+            "deliveries_bytes": int(record["deliveries_bytes"] or 0),
+            "partitions": int(record["partitions"]),
+            "oldest_age_seconds": round((record["now"] - oldest).total_seconds(), 1) if oldest else None,
+        }
+
+    async def autovacuum_on(self) -> bool:
+        """Whether the server's autovacuum runs (it reclaims the space of deleted rows for reuse)."""
+        return str(await self._db.fetchval("SHOW autovacuum")).lower() == "on"
+
+    async def vacuum(self) -> None:
+        """Plain VACUUM of the rows and deliveries (no lock that blocks saves), for servers without
+        autovacuum: without it, the space of deleted rows is never reused and the table grows."""
+        for table in (TABLE, DELIVERIES):
+            await self._db.execute(f"VACUUM (ANALYZE) {table}")
+
+    async def legacy_cleared(self) -> bool:
+        """Whether the bodies saved before partitioning have all been through the body retention."""
+        return bool(
             await self._db.fetchval(
-                f"SELECT count(*) FROM {TABLE} WHERE {_purgeable(self.payload_only)}", older_than
+                "SELECT EXISTS (SELECT 1 FROM evolution_ingest_meta WHERE name = 'legacy_bodies_cleared')"
             )
         )
 
-    async def run(self, older_than: float, *, batch_size: int, progress: Callable[[int], None]) -> int:
-        """Remove in id order, batch by batch; returns how many rows (or bodies) went."""
-        action = (
-            f"UPDATE {TABLE} AS e SET payload = NULL, payload_text = NULL FROM doomed WHERE e.id = doomed.id"
-            if self.payload_only
-            else f"DELETE FROM {TABLE} AS e USING doomed WHERE e.id = doomed.id"
+    async def partitioned_since(self) -> datetime | None:
+        value = await self._db.fetchval(
+            "SELECT at FROM evolution_ingest_meta WHERE name = 'bodies_partitioned'"
         )
-        query = (
-            f"WITH doomed AS (SELECT id FROM {TABLE} WHERE id > $2 AND {_purgeable(self.payload_only)} "
-            f"ORDER BY id LIMIT $3) {action} RETURNING e.id"
+        return value if isinstance(value, datetime) else None
+
+    async def note_legacy_cleared(self) -> None:
+        await self._db.execute(
+            "INSERT INTO evolution_ingest_meta (name, at) VALUES ('legacy_bodies_cleared', now()) ON CONFLICT DO NOTHING"
         )
-        last_id, total = 0, 0
-        while ids := [
-            record["id"] for record in await self._db.fetch(query, older_than, last_id, batch_size)
-        ]:
-            total += len(ids)
-            last_id = max(ids)
-            progress(len(ids))
-        return total
+
+
+def partitions_ahead(settings: Settings) -> float:
+    """How far ahead partitions are made: two spans and two intervals (a missed tick or two)."""
+    return 2 * settings.retention_partition_seconds + 2 * settings.retention_interval_seconds
+
+
+async def prepare_partitions(retention: Retention, settings: Settings) -> None:
+    """Make the coming partitions now (at start-up); a failure is logged, the leader retries."""
+    try:
+        await retention.ensure_partitions(
+            time.time(), settings.retention_partition_seconds, partitions_ahead(settings)
+        )
+    except (StoreUnavailable, asyncpg.PostgresError, OSError) as exc:
+        log.info("partitions of bodies not prepared now; the retention leader will", error=repr(exc))
