@@ -45,6 +45,25 @@ def section_error(title: str, section: dict[str, Any]) -> bool:
     return True
 
 
+def megabytes(value: int | None) -> str:
+    return "—" if value is None else f"{value / 1_048_576:,.1f} MB"
+
+
+def retention_line(retention: dict[str, Any], size: dict[str, Any]) -> str:
+    """``retention: bodies 7d, rows (the dedup horizon) 30d · rows 12.0 MB, bodies 80.1 MB in 9 partitions``."""
+    parts = (
+        f"retention: bodies {age(retention.get('bodies_seconds'))}, rows (the dedup horizon) "
+        f"{age(retention.get('rows_seconds'))}"
+        + (", media stripped after processing" if retention.get("strip_media") else "")
+        if retention.get("enabled")
+        else "retention: [yellow]off[/] (the inbox grows until `purge` runs)"
+    )
+    return (
+        f"{parts} · rows {megabytes(size.get('rows_bytes'))}, bodies {megabytes(size.get('bodies_bytes'))} "
+        f"in {size.get('partitions', 0)} partitions, deliveries {megabytes(size.get('deliveries_bytes'))}"
+    )
+
+
 def render_status(report: dict[str, Any]) -> None:
     out().print(f"[bold]evolution-ingest status[/] at {report['at']}")
     inbox = report["inbox"]
@@ -56,16 +75,22 @@ def render_status(report: dict[str, Any]) -> None:
             "failed",
             "oldest pending",
             "rows",
+            "size",
+            "oldest row",
         ):
             table.add_column(column, justify="right")
+        size = inbox.get("size", {})
         table.add_row(
             str(inbox["pending"]),
             warn_if(inbox["stuck"]),
             warn_if(inbox["failed"]),
             age(inbox["oldest_pending_age_seconds"]),
             str(inbox["rows"]),
+            megabytes(size.get("bytes")),
+            age(size.get("oldest_age_seconds")),
         )
         out().print(table)
+        out().print(retention_line(inbox.get("retention", {}), size))
     counters = report["counters"]
     if not section_error("Counters", counters):
         table = Table(

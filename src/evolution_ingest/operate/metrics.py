@@ -149,6 +149,24 @@ def store_families(
             "inbox_oldest_pending_age_seconds", "Age of the oldest unprocessed event (0: none)."
         )
         oldest.add_metric([], inbox["oldest_pending_age_seconds"] or 0)
+        families.gauge(
+            "inbox_rows", "Rows in the inbox (exact up to 100,000, the planner's estimate above)."
+        ).add_metric([], inbox["rows"])
+        size = inbox.get("size", {})
+        if size.get("partitions") is not None:
+            part = families.gauge(
+                "inbox_bytes",
+                "Bytes on disk (indexes and TOAST included) of each part of the inbox.",
+                ["part"],
+            )
+            for name in ("rows", "bodies", "deliveries"):
+                part.add_metric([name], size[f"{name}_bytes"])
+            families.gauge(
+                "inbox_body_partitions", "Partitions of bodies (one per RETENTION_PARTITION_SECONDS)."
+            ).add_metric([], size["partitions"])
+            families.gauge(
+                "inbox_oldest_row_age_seconds", "Age of the oldest row kept (0: none)."
+            ).add_metric([], size["oldest_age_seconds"] or 0)
     if rabbitmq.get("ok"):
         depth = families.gauge(
             "queue_messages",

@@ -26,9 +26,30 @@ REFUSAL_REF: Final = "refusal:"
 async def inbox_section(stores: Stores, settings: Settings) -> dict[str, Any]:
     try:
         stats = await stores.reads.stats(settings.reconcile_after_seconds)
+        size = await stores.retention.sizes()
     except STORE_ERRORS as exc:  # status must work when a store is down
         return failed(exc)
-    return {"ok": True, **stats, "stuck_after_seconds": settings.reconcile_after_seconds}
+    return {
+        "ok": True,
+        **stats,
+        "stuck_after_seconds": settings.reconcile_after_seconds,
+        "size": {
+            **size,
+            "bytes": sum(size.get(k, 0) for k in ("rows_bytes", "bodies_bytes", "deliveries_bytes")),
+        },
+        "retention": retention_in_force(settings),
+    }
+
+
+def retention_in_force(settings: Settings) -> dict[str, Any]:
+    """The retention settings as ``status`` and the dashboard show them."""
+    return {
+        "enabled": settings.retention_enabled,
+        "bodies_seconds": settings.retention_bodies_seconds,
+        "rows_seconds": settings.retention_rows_seconds,
+        "partition_seconds": settings.retention_partition_seconds,
+        "strip_media": settings.retention_strip_media,
+    }
 
 
 async def counter_section(counters: Counters) -> dict[str, Any]:
