@@ -37,6 +37,10 @@ LAYOUT: list[Any] = [
      [("max(evolution_ingest_inbox_stuck)", "stuck")], 6),
     ("Failed (given up)", "stat", "short", [("max(evolution_ingest_inbox_failed)", "failed")], 6),
     ("Oldest pending", "stat", "s", [("max(evolution_ingest_inbox_oldest_pending_age_seconds)", "age")], 6),
+    ("Inbox on disk: rows, bodies, deliveries", "timeseries", "bytes",
+     [("max by (part) (evolution_ingest_inbox_bytes)", "{{part}}")], 12),
+    ("Retention: rows deleted, bodies dropped and kept, errors (per hour)", "timeseries", "short",
+     [('sum by (name) (increase(evolution_ingest_counter_total{name=~"retention:(rows_deleted|bodies_dropped|bodies_rescued|errors)"}[1h]))', "{{name}}")], 12),
     "Latency",
     ("Webhook answer p50 / p99", "timeseries", "s",
      [(f"histogram_quantile({q}, sum by (le) (rate(evolution_ingest_webhook_seconds_bucket[{RATE}])))", f"p{int(q * 100)}")

@@ -70,7 +70,7 @@ class RetentionJob:
                 ),
                 until=now - s.retention_rows_seconds,
             )
-        if not await self._retention.autovacuum_on():
+        if s.retention_enabled and not await self._retention.autovacuum_on():
             await self._retention.vacuum()  # reuse the space of what was deleted and updated
             done["vacuums"] = 1
         for name, value in done.items():
