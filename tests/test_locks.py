@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -77,3 +79,24 @@ async def test_a_dead_redis_answers_unavailable_without_raising() -> None:
     assert not await locks.renew(KEY, "t")
     await locks.release(KEY, "t", [PROCESSED])
     await client.aclose()
+
+
+async def test_a_caller_cancelled_while_taking_the_lock_does_not_leave_it_held(
+    redis: Redis, uid: str
+) -> None:
+    """A worker's task cancelled mid-acquire (its broker connection died): the lock the batch took
+    is given back, so the redelivered copy is not locked out for the TTL."""
+    locks = locks_for(redis, uid, ttl=60.0)
+    for _ in range(20):  # the cancellation lands before or after the command reached Redis
+        caller = asyncio.create_task(locks.acquire(KEY, "gone", Channel.RABBITMQ))
+        await asyncio.sleep(0)
+        caller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await caller
+        await wait_until(lambda: _free(redis, uid), within=2, message="the lock given back")
+    assert (await locks.acquire(KEY, "next", Channel.RABBITMQ)).acquired
+    await locks.drain()
+
+
+async def _free(redis: Redis, uid: str) -> bool:
+    return not [k async for k in redis.scan_iter(match=f"test:{uid}:lock:*")]

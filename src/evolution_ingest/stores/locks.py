@@ -211,14 +211,24 @@ class RedisLocks:
             return Probe(True, processed=True, recorded=True)
         if self._skip():
             return UNAVAILABLE
+        taking = self._acquires.submit(
+            (self._keys(dedup_key), [token, self._lock_ttl_ms, channel.value if channel else "-"])
+        )
         try:
-            acquired, processed, recorded = await self._acquires(
-                (self._keys(dedup_key), [token, self._lock_ttl_ms, channel.value if channel else "-"])
-            )
+            acquired, processed, recorded = await asyncio.shield(taking)
+        except asyncio.CancelledError:
+            # The caller is gone (a worker whose broker connection died) but the batch still runs:
+            # if it takes the lock, give it back at once instead of holding it for the TTL.
+            taking.add_done_callback(lambda done: self._give_back(dedup_key, token, done))
+            raise
         except (RedisError, OSError) as exc:
             self._failed("acquire", exc)
             return UNAVAILABLE
         return Probe(True, bool(acquired), bool(processed), bool(recorded))
+
+    def _give_back(self, dedup_key: str, token: str, taking: asyncio.Future[Any]) -> None:
+        if not taking.cancelled() and taking.exception() is None and taking.result()[0]:
+            self.release_soon(dedup_key, token)
 
     async def release(self, dedup_key: str, token: str | None, marks: Iterable[str] = ()) -> None:
         """Release the lock if ``token`` still owns it, and set seen marks (committed facts only)."""
