@@ -8,17 +8,21 @@ import sys
 import time
 from collections.abc import Sequence
 
+import aiohttp
 import asyncpg
 import orjson
 
 from bench.harness import (
     DATABASE_URL,
+    RABBITMQ_URL,
+    Isolation,
     LoadResult,
     free_port,
     post_all,
     process,
     wait_http,
 )
+from bench.service import EVENTS, publisher, workload
 from evolution_ingest.core.identity import parse_envelope
 
 # --- ceilings -------------------------------------------------------------------------------
@@ -65,3 +69,30 @@ async def bare_http(bodies: Sequence[bytes]) -> LoadResult:
     async with process([sys.executable, "-m", "bench.bare", str(port)], dict(os.environ), "bare endpoint"):
         await wait_http(f"http://127.0.0.1:{port}/healthz")
         return await post_all(f"http://127.0.0.1:{port}/bare", bodies, 64, 120)
+
+
+async def transport(n: int, offset: int) -> float:
+    """Both channels' copies of ``n`` events, as the dual scenarios send them (same load generator,
+    same publisher), into a receiver that only parses and answers / acks: events/s."""
+    bodies, _ = workload(offset, n)
+    iso = Isolation()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "bench.bare", str(port), "--amqp", RABBITMQ_URL,
+               "--prefix", f"bench{iso.run_id}", "--events", ",".join(EVENTS)]  # fmt: skip
+    try:
+        # The publisher's queues are declared once it is ready; the receiver then consumes them.
+        async with publisher(iso, offset, n) as go, process(command, dict(os.environ), "bare receiver"):
+            await wait_http(f"{base}/healthz")
+            started = time.perf_counter()
+            await asyncio.gather(post_all(f"{base}/bare", bodies, 64, 300), go())
+            async with aiohttp.ClientSession() as http:
+                deadline = time.monotonic() + 300
+                while time.monotonic() < deadline:
+                    async with http.get(f"{base}/consumed") as resp:
+                        if (await resp.json())["consumed"] >= n:
+                            break
+                    await asyncio.sleep(0.02)
+            return n / (time.perf_counter() - started)
+    finally:
+        await iso.cleanup()
