@@ -94,7 +94,7 @@ class RetentionJob:
             lambda after: self._retention.empty_bodies(
                 after, s.retention_bodies_seconds, s.retention_batch_size, legacy_only=True
             ),
-            until=cutoff,
+            until=min(cutoff, since.timestamp()) if since else cutoff,  # rows saved before partitioning
         )
         if since is not None and since.timestamp() <= cutoff:
             await self._retention.note_legacy_cleared()  # every pre-partitioning row was walked past

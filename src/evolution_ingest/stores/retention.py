@@ -34,6 +34,8 @@ log = structlog.get_logger(__name__)
 Step = Callable[[int], Awaitable[tuple[int, datetime | None, int]]]
 
 PARTITION_PREFIX: Final = f"{BODIES}_p"
+#: VACUUM and ANALYZE of a big table run past DATABASE_TIMEOUT_SECONDS: an hour is their bound.
+_MAINTENANCE_TIMEOUT: Final = 3600.0
 DEFAULT_PARTITION: Final = f"{BODIES}_default"
 
 #: Ids of the rows whose body must survive: not processed (pending, or given up on).
@@ -197,7 +199,7 @@ class Retention:
             "SELECT reltuples >= 0 FROM pg_class WHERE oid = to_regclass($1)", name
         )
         if analyzed is False:
-            await self._db.execute(f'ANALYZE "{name}"')
+            await self._maintenance(f'ANALYZE "{name}"')
 
     async def empty_default(self, older_than: float, batch_size: int) -> int:
         """Bodies of processed events caught by the default partition, past the body retention."""
@@ -292,7 +294,12 @@ class Retention:
         """Plain VACUUM of the rows and deliveries (no lock that blocks saves), for servers without
         autovacuum: without it, the space of deleted rows is never reused and the table grows."""
         for table in (TABLE, DELIVERIES):
-            await self._db.execute(f"VACUUM (ANALYZE) {table}")
+            await self._maintenance(f"VACUUM (ANALYZE) {table}")
+
+    async def _maintenance(self, statement: str) -> None:
+        """A statement that takes as long as the table is big: no command timeout of its own."""
+        async with self._db.connection() as conn:
+            await conn.execute(statement, timeout=_MAINTENANCE_TIMEOUT)
 
     async def legacy_cleared(self) -> bool:
         """Whether the bodies saved before partitioning have all been through the body retention."""

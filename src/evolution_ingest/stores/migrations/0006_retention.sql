@@ -40,5 +40,8 @@ SELECT i.id, i.dedup_key, i.event, i.instance, i.channel,
   FROM evolution_ingest_inbox AS i
   LEFT JOIN evolution_ingest_bodies AS b ON b.event_id = i.id;
 
--- Since when bodies are partitioned: older rows may still hold theirs in the inbox table.
+-- Since when bodies are partitioned: older rows may still hold theirs in the inbox table
+-- (none when the inbox is empty: nothing for retention to empty then).
 INSERT INTO evolution_ingest_meta (name, at) VALUES ('bodies_partitioned', now());
+INSERT INTO evolution_ingest_meta (name, at)
+SELECT 'legacy_bodies_cleared', now() WHERE NOT EXISTS (SELECT 1 FROM evolution_ingest_inbox);
