@@ -27,6 +27,14 @@ from evolution_ingest.config import Settings
 from evolution_ingest.stores.deliveries import DELIVERIES
 from evolution_ingest.stores.inbox import BODIES, TABLE
 from evolution_ingest.stores.postgres import Postgres, StoreUnavailable
+from evolution_ingest.stores.retention_sql import (
+    DELETE_ROWS,
+    EMPTY_BODIES,
+    EMPTY_LEGACY_BODIES,
+    OLD,
+    RESCUE,
+    SIZES,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -37,59 +45,6 @@ PARTITION_PREFIX: Final = f"{BODIES}_p"
 #: VACUUM and ANALYZE of a big table run past DATABASE_TIMEOUT_SECONDS: an hour is their bound.
 _MAINTENANCE_TIMEOUT: Final = 3600.0
 DEFAULT_PARTITION: Final = f"{BODIES}_default"
-
-#: Ids of the rows whose body must survive: not processed (pending, or given up on).
-_UNFINISHED: Final = (
-    f"(SELECT id FROM {TABLE} WHERE processed_at IS NULL AND failed_at IS NULL "
-    f"UNION ALL SELECT id FROM {TABLE} WHERE failed_at IS NOT NULL AND processed_at IS NULL)"
-)
-
-#: ``$3``: the age in seconds. Processed that long ago (so also received that long ago).
-_OLD: Final = "i.processed_at IS NOT NULL AND i.processed_at < now() - make_interval(secs => $3)"
-
-#: One step of a walk in id order: ``$1`` the last id seen, ``$2`` the batch size.
-_WALK: Final = f"""
-WITH batch AS MATERIALIZED (SELECT id, received_at FROM {TABLE} WHERE id > $1 ORDER BY id LIMIT $2),
-{{action}}
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT max(received_at) FROM batch) AS newest,
-       (SELECT count(*) FROM done) AS done
-"""
-
-_DELETE_ROWS: Final = _WALK.format(
-    action=f"""done AS (DELETE FROM {TABLE} AS i USING batch WHERE i.id = batch.id AND {_OLD} RETURNING i.id),
-bodies AS (DELETE FROM {BODIES} AS b USING done WHERE b.event_id = done.id)"""
-)
-
-_EMPTY_LEGACY: Final = f"""done AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM batch
-         WHERE i.id = batch.id AND i.payload IS NOT NULL AND {_OLD} RETURNING i.id)"""
-
-#: Bodies kept in the row (saved before partitioning, or rescued) only; partitions are dropped.
-_EMPTY_LEGACY_BODIES: Final = _WALK.format(action=_EMPTY_LEGACY)
-
-#: Both kinds (``purge --payload-only``, whose age need not match a partition's end).
-_EMPTY_BODIES: Final = _WALK.format(
-    action=f"""old AS MATERIALIZED (SELECT i.id FROM {TABLE} AS i JOIN batch ON i.id = batch.id WHERE {_OLD}),
-legacy AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM old
-           WHERE i.id = old.id AND i.payload IS NOT NULL RETURNING i.id),
-partitioned AS (DELETE FROM {BODIES} AS b USING old WHERE b.event_id = old.id RETURNING b.event_id),
-done AS (SELECT id FROM legacy UNION SELECT event_id FROM partitioned)"""
-)
-
-_RESCUE: Final = f"""
-UPDATE {TABLE} AS i SET payload = b.payload, payload_text = b.payload_text
-  FROM {_UNFINISHED} AS u JOIN "{{partition}}" AS b ON b.event_id = u.id
- WHERE i.id = u.id
-"""
-
-_SIZES: Final = f"""
-SELECT pg_total_relation_size(to_regclass('{TABLE}')) AS rows_bytes,
-       COALESCE((SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits
-                  WHERE inhparent = to_regclass('{BODIES}')), 0)::bigint AS bodies_bytes,
-       pg_total_relation_size(to_regclass('{DELIVERIES}')) AS deliveries_bytes,
-       (SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass('{BODIES}')) AS partitions,
-       (SELECT received_at FROM {TABLE} ORDER BY id LIMIT 1) AS oldest,
-       now() AS now
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +138,7 @@ class Retention:
         await self._estimate_ready(partition.name)
         async with self._db.connection() as conn, conn.transaction():
             await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
-            rescued = await conn.execute(_RESCUE.format(partition=partition.name))
+            rescued = await conn.execute(RESCUE.format(partition=partition.name))
             # Counted from the statistics: a count(*) of a day's bodies would take seconds, in here.
             bodies = await conn.fetchval(
                 "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)",
@@ -221,14 +176,14 @@ class Retention:
         self, after_id: int, older_than: float, batch_size: int
     ) -> tuple[int, datetime | None, int]:
         """One batch of processed rows past ``older_than``: (last id looked at, its time, rows deleted)."""
-        return await self._step(_DELETE_ROWS, after_id, older_than, batch_size)
+        return await self._step(DELETE_ROWS, after_id, older_than, batch_size)
 
     async def empty_bodies(
         self, after_id: int, older_than: float, batch_size: int, *, legacy_only: bool = False
     ) -> tuple[int, datetime | None, int]:
         """One batch of bodies of processed rows past ``older_than`` (rows and keys kept);
         ``legacy_only``: only bodies kept in the row, not in a partition."""
-        query = _EMPTY_LEGACY_BODIES if legacy_only else _EMPTY_BODIES
+        query = EMPTY_LEGACY_BODIES if legacy_only else EMPTY_BODIES
         return await self._step(query, after_id, older_than, batch_size)
 
     async def walk(
@@ -267,13 +222,13 @@ class Retention:
             if payload_only
             else ""
         )
-        query = f"SELECT count(*) FROM {TABLE} AS i WHERE {_OLD.replace('$3', '$1')}{body}"
+        query = f"SELECT count(*) FROM {TABLE} AS i WHERE {OLD.replace('$3', '$1')}{body}"
         return int(await self._db.fetchval(query, older_than))
 
     async def sizes(self) -> dict[str, object]:
         """Bytes of rows, bodies and deliveries (indexes and TOAST included), partitions, oldest row."""
         try:
-            record = await self._db.fetchrow(_SIZES)
+            record = await self._db.fetchrow(SIZES)
         except asyncpg.UndefinedTableError:  # not migrated yet
             return {}
         assert record is not None
