@@ -43,7 +43,10 @@ class RetentionSettings(BaseModel):
         default=5_000, ge=1, le=100_000, description="Rows deleted (or bodies emptied) per statement."
     )
     retention_batch_pause_seconds: float = Field(
-        default=0.05, ge=0, description="Pause between two batches, so that ingestion keeps the upper hand."
+        default=0.05,
+        ge=0,
+        description="Pause between two batches, and at least twice the last batch's time, so that ingestion "
+        "keeps the upper hand (retention takes a third of Postgres at most).",
     )
     retention_strip_media: bool = Field(
         default=False,

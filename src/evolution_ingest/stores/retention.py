@@ -44,6 +44,8 @@ Step = Callable[[int], Awaitable[tuple[int, datetime | None, int]]]
 PARTITION_PREFIX: Final = f"{BODIES}_p"
 #: VACUUM and ANALYZE of a big table run past DATABASE_TIMEOUT_SECONDS: an hour is their bound.
 _MAINTENANCE_TIMEOUT: Final = 3600.0
+#: Between two batches of a walk, at least this many times the last batch's duration.
+_DUTY_PAUSE: Final = 2.0
 DEFAULT_PARTITION: Final = f"{BODIES}_default"
 
 
@@ -199,13 +201,14 @@ class Retention:
         received after ``until`` (epoch seconds) or none is left; ``progress`` gets each count."""
         after, total = await self.first_id(), 0
         while not stopped():
+            began = time.monotonic()
             after, newest, count = await step(after)
             total += count
             progress(count)
             if newest is None or newest.timestamp() >= until:
                 break
-            if pause:
-                await asyncio.sleep(pause)
+            if pause:  # and at least twice the batch's own time: a third of Postgres at most
+                await asyncio.sleep(max(pause, _DUTY_PAUSE * (time.monotonic() - began)))
         return total
 
     async def _step(
@@ -254,7 +257,13 @@ class Retention:
     async def _maintenance(self, statement: str) -> None:
         """A statement that takes as long as the table is big: no command timeout of its own."""
         async with self._db.connection() as conn:
-            await conn.execute(statement, timeout=_MAINTENANCE_TIMEOUT)
+            # Paced like autovacuum (a manual VACUUM runs at full speed otherwise), then reset:
+            # the connection goes back to the pool.
+            await conn.execute("SET vacuum_cost_delay = 2")
+            try:
+                await conn.execute(statement, timeout=_MAINTENANCE_TIMEOUT)
+            finally:
+                await conn.execute("RESET vacuum_cost_delay")
 
     async def legacy_cleared(self) -> bool:
         """Whether the bodies saved before partitioning have all been through the body retention."""
