@@ -89,7 +89,7 @@ async def test_a_caller_cancelled_while_taking_the_lock_does_not_leave_it_held(
     locks = locks_for(redis, uid, ttl=60.0)
     for _ in range(20):  # the cancellation lands before or after the command reached Redis
         caller = asyncio.create_task(locks.acquire(KEY, "gone", Channel.RABBITMQ))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # wait-ok: one turn of the loop, so that the acquire is under way
         caller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await caller

@@ -23,7 +23,7 @@ from evolution_ingest.stores.deliveries import DELIVERIES
 from evolution_ingest.stores.inbox import BODIES, TABLE, VIEW
 from evolution_ingest.stores.retention import DEFAULT_PARTITION, Partition
 from tests.conftest import OpenRuntime, serving
-from tests.support import Recorder, fixture, fixtures, variants
+from tests.support import Recorder, fixture, fixtures, variants, wait_until
 from tests.test_admin import cli
 from tests.test_cli import env_for
 from tests.test_reconciler import stuck_events
@@ -52,7 +52,7 @@ async def ticks_until(job: RetentionJob, condition: Any, within: float = 20.0) -
     while not await condition():
         assert time.monotonic() < deadline, "retention did not get there in time"
         await job.tick()
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # wait-ok: a poll with a deadline, one retention pass per round
 
 
 async def forget_redis(runtime: Runtime, settings: Settings) -> None:
@@ -212,9 +212,13 @@ async def test_retention_alongside_a_load_loses_and_doubles_nothing(
         started = time.monotonic()
         for start in range(0, len(bodies), 20):  # bounded: 240 events, about 5 s
             await asyncio.gather(*(send(b) for b in bodies[start : start + 20]))
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(0.4)  # wait-ok: pacing the load so that partitions drop during it
         elapsed = time.monotonic() - started
-        await asyncio.sleep(SHORT["retention_bodies_seconds"] + 2)  # one more drop at least
+
+        async def every_body_dropped() -> bool:  # the load's last partition too
+            return not await db.fetchval(f"SELECT count(*) FROM {BODIES}")
+
+        await wait_until(every_body_dropped, within=20, interval=0.1, message="the last partition dropped")
         stop.set()
         await running
         counted = await runtime.counters.read()
