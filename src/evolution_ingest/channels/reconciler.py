@@ -30,7 +30,8 @@ import structlog
 
 from evolution_ingest.config import Settings
 from evolution_ingest.core.contract import Outcome, Resend, Result, SavedEvent
-from evolution_ingest.core.ingestion import RESENDS, Ingestion
+from evolution_ingest.core.ingestion import Ingestion
+from evolution_ingest.core.resend import RESENDS
 from evolution_ingest.stores import leadership
 from evolution_ingest.stores.inbox_reads import InboxReads
 from evolution_ingest.stores.postgres import StoreUnavailable

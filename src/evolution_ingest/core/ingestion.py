@@ -32,15 +32,15 @@ from evolution_ingest.core.contract import (
     Resend,
     Result,
     RunSaved,
-    SavedEvent,
 )
 from evolution_ingest.core.events import Channel
-from evolution_ingest.core.identity import Envelope, InvalidEvent, parse_envelope
+from evolution_ingest.core.identity import Envelope, parse_envelope
 from evolution_ingest.core.inflight import InFlight
 from evolution_ingest.core.lease import Lease
 from evolution_ingest.core.legacy import LegacyKeys
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.core.redaction import Redactor
+from evolution_ingest.core.resend import Resender
 from evolution_ingest.core.runner import Runner
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.inbox import Claim, PostgresInbox, SavedRow
@@ -51,8 +51,6 @@ log = structlog.get_logger(__name__)
 
 #: Counter prefix of forwarded calls (``already_saved``) in the webhook app.
 INTERNAL: Final = "internal"
-#: Counter prefix of re-sends (the reconciler's and ``replay``'s).
-RESENDS: Final = "reconciler"
 _SKIPPED: Final = {
     Outcome.DUPLICATE: "skipped_duplicate",
     Outcome.LOCKED: "skipped_locked",
@@ -97,7 +95,10 @@ class Ingestion:
         )
         self._forwarder: Forwarder | None = None
         self._forwarding = False
-        self._max_attempts = max_attempts
+        self._resend = Resender(
+            inbox=inbox, locks=locks, counters=counters, max_attempts=max_attempts,
+            forward=self._forward, envelope=self.envelope,
+        )  # fmt: skip
         self._inflight = InFlight(inbox, locks, busy_wait_seconds=busy_wait_seconds)
         self._legacy = LegacyKeys(inbox, legacy_compat_seconds)
 
@@ -144,6 +145,18 @@ class Ingestion:
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
 
+        return await self._save_and_run(envelope, channel, probe, token, here=False)
+
+    async def _save_and_run(
+        self, envelope: Envelope, channel: Channel, probe: Probe, token: uuid.UUID, *, here: bool
+    ) -> Result:
+        """Save the copy and claim its row in one statement, then run the business logic.
+
+        ``here``: a relayed copy in a process that runs the logic itself (``up``). It is
+        counted as the in-process forward it stands for (``internal:*``, ``forward_ok``); the
+        save's claim replaces the forward's separate claim statement.
+        """
+        name, key = _prefix(channel), envelope.dedup_key
         # The lock is ours, or Redis is unavailable: the Postgres claim decides.
         lock_token = str(token) if probe.acquired else None
         claim = Claim(token, self.locks.lock_ttl)
@@ -154,15 +167,31 @@ class Ingestion:
                 marks = _marks(channel, row.processed)
                 if row.processed:
                     return self._skip(name, Outcome.DUPLICATE, key, row)
-                if not row.claimed:
+                if here:
+                    result = await self._run_here(envelope, row, claim, lock_token)
+                    self._count_forward(name, envelope, result)
+                elif not row.claimed:
                     return self._skip(name, Outcome.LOCKED, key, row)
-                result = await self._runner.run(envelope, row, claim, name, lock_token)
+                else:
+                    result = await self._runner.run(envelope, row, claim, name, lock_token)
                 if result.outcome is Outcome.PROCESSED:
                     work.processed = True
                     marks.append(PROCESSED)
                 return result
             finally:
                 self.locks.release_soon(key, lock_token, marks)
+
+    async def _run_here(
+        self, envelope: Envelope, row: SavedRow, claim: Claim, lock_token: str | None
+    ) -> Result:
+        """What a forward to this process does with a row saved (and maybe claimed) just now."""
+        self.counters.incr(f"{INTERNAL}:received")
+        if not row.claimed:
+            return self._skip(INTERNAL, Outcome.LOCKED, envelope.dedup_key, row)
+        try:
+            return await self._runner.run(envelope, row, claim, INTERNAL, lock_token)
+        except StoreUnavailable as exc:
+            return Result(Outcome.UNREACHABLE, envelope.dedup_key, error=str(exc))
 
     # --- a copy from another source: save, then the logic runs where it runs -------------
     async def _relay(self, envelope: Envelope, channel: Channel) -> Result:
@@ -177,6 +206,8 @@ class Ingestion:
             return self._skip(name, Outcome.DUPLICATE, key)
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
+        if self._forwarding and self._forwarder is None:
+            return await self._save_and_run(envelope, channel, probe, token, here=True)
 
         lock_token = str(token) if probe.acquired else None
         marks: list[str] = []
@@ -210,6 +241,10 @@ class Ingestion:
                 result = Result(Outcome.UNREACHABLE, envelope.dedup_key, error=str(exc))
         else:
             result = await self._forwarder.forward(envelope)
+        self._count_forward(name, envelope, result)
+        return result
+
+    def _count_forward(self, name: str, envelope: Envelope, result: Result) -> None:
         if result.done:
             self.counters.incr(f"{name}:forward_ok")
         elif result.outcome is Outcome.LOCKED:
@@ -222,7 +257,6 @@ class Ingestion:
                 outcome=result.outcome.value,
                 error=result.error,
             )
-        return result
 
     # --- a forward of a saved event (the webhook app's side) -------------------------------
     async def _run_saved(self, envelope: Envelope) -> Result:
@@ -243,54 +277,6 @@ class Ingestion:
         if work.processed:
             self.locks.release_soon(key, None, [PROCESSED])
         return result
-
-    # --- a saved, unprocessed event sent on again (reconciler, replay) ---------------------
-    async def _resend(self, event: SavedEvent, *, give_up: bool) -> Result:
-        key = event.dedup_key
-        if give_up and event.attempts >= self._max_attempts:
-            return await self._give_up(event)
-        try:
-            envelope = self.envelope(event.payload, dedup_key=key)
-        except InvalidEvent as exc:  # a purged payload, or a row written by hand
-            error = f"stored payload cannot be forwarded: {exc.reason}"
-            await self.inbox.note_error(event.id, error)
-            return Result(Outcome.FAILED, key, event.id, error)
-        token = uuid.uuid4().hex
-        probe = await self.locks.acquire(key, token, None)
-        if probe.processed:
-            return Result(Outcome.DUPLICATE, key, event.id)
-        if probe.busy:
-            self.counters.incr(f"{RESENDS}:skipped_locked")
-            return Result(Outcome.LOCKED, key, event.id)
-        result = Result(Outcome.UNREACHABLE, key, event.id)
-        try:
-            self.counters.incr(f"{RESENDS}:resent")
-            result = await self._forward(RESENDS, envelope)
-        finally:
-            await self.locks.release(
-                key, token if probe.acquired else None, [PROCESSED] if result.done else []
-            )
-        if result.done:
-            self.counters.incr(f"{RESENDS}:recovered")
-            return Result(Outcome.PROCESSED, key, event.id)
-        if result.outcome is Outcome.LOCKED:
-            self.counters.incr(f"{RESENDS}:skipped_locked")
-            return result
-        if result.outcome is not Outcome.FAILED:  # a handler's failure is already recorded by its run
-            await self.inbox.note_error(event.id, f"re-forward failed: {result.error}")
-        if give_up and (await self.inbox.attempts(event.id) or 0) >= self._max_attempts:
-            return await self._give_up(event)
-        return result
-
-    async def _give_up(self, event: SavedEvent) -> Result:
-        if await self.inbox.give_up(event.id, self._max_attempts):
-            self.counters.incr(f"{RESENDS}:failed")
-            log.error(
-                "event marked failed after too many attempts",
-                dedup_key=event.dedup_key,
-                attempts=event.attempts,
-            )
-        return Result(Outcome.GIVEN_UP, event.dedup_key, event.id)
 
     # --- shared steps ------------------------------------------------------------------
     def _delivered(self, name: str, envelope: Envelope) -> None:

@@ -1,0 +1,99 @@
+"""Where the service's CPU goes: ``py-spy record`` of the ``up`` process under the dual-channel load.
+
+    .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--out DIR]
+
+Runs the "both channels (up)" scenario once with py-spy sampling the service, then prints the
+share of its samples by where the leaf-most known frame lives (HTTP server, AMQP client,
+asyncpg, redis-py, the service's own modules, the event loop …). The collapsed stacks stay in
+``--out`` (``profile.txt``) for a flame graph (``py-spy`` can also write SVG: see its docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+from bench.harness import Isolation, post_all
+from bench.service import publisher, running, wait_traced, workload
+
+#: (bucket, pattern on the frame's file), tried from the leaf towards the root of each stack.
+BUCKETS = [
+    ("HTTP server (uvicorn, httptools)", re.compile(r"uvicorn|httptools|h11")),
+    ("ASGI framework (starlette)", re.compile(r"starlette")),
+    ("AMQP client (aio-pika, aiormq, pamqp)", re.compile(r"aio_pika|aiormq|pamqp")),
+    ("Postgres driver (asyncpg)", re.compile(r"asyncpg")),
+    ("Redis client (redis-py)", re.compile(r"/redis/")),
+    ("logging (structlog)", re.compile(r"structlog|/logging/")),
+    ("service: identity and body", re.compile(r"evolution_ingest/core/(identity|codec|body|redaction)")),
+    ("service: HTTP app", re.compile(r"evolution_ingest/channels/(webhook|http|auth)")),
+    ("service: RabbitMQ worker", re.compile(r"evolution_ingest/channels/(worker|messages|forward)")),
+    ("service: ingestion core", re.compile(r"evolution_ingest/core/")),
+    ("service: stores (inbox, locks, counters)", re.compile(r"evolution_ingest/stores/")),
+    ("service: other", re.compile(r"evolution_ingest/|bench/handlers")),
+    ("event loop (asyncio, uvloop)", re.compile(r"asyncio|uvloop")),
+]
+_FRAME_FILE = re.compile(r"\(([^)]*?):\d+\)$")
+
+
+def shares(collapsed: str) -> list[tuple[str, int]]:
+    """Samples per bucket, most first, from py-spy's collapsed ("raw") output."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        bucket = "other"
+        for frame in reversed(stack.split(";")):
+            match = _FRAME_FILE.search(frame)
+            where = match.group(1) if match else frame
+            found = next((name for name, pattern in BUCKETS if pattern.search(where)), None)
+            if found is not None:
+                bucket = found
+                break
+        counts[bucket] += int(count)
+    return counts.most_common()
+
+
+async def main(args: argparse.Namespace) -> None:
+    n = args.events
+    offset = 7 * 10**11
+    bodies, _ = workload(offset, n)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    iso = Isolation()
+    try:
+        async with running(iso, "up") as service, publisher(iso, offset, n, args.rate) as go:
+            spy = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(service.pids[0]), "--format", "raw",
+                "--rate", "200", "--output", str(out / "profile.txt"), "--nonblocking",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            await asyncio.gather(post_all(service.urls, bodies, 64, 300, rate=args.rate), go())
+            await wait_traced(iso, n, 300)
+            spy.send_signal(signal.SIGINT)
+            await asyncio.wait_for(spy.wait(), 60)
+    finally:
+        await iso.cleanup()
+    counted = shares((out / "profile.txt").read_text(encoding="utf-8"))
+    total = sum(c for _, c in counted) or 1
+    print(f"py-spy samples of the up process, {n:,} events on both channels: {total:,}")
+    for name, count in counted:
+        print(f"  {100 * count / total:5.1f} %  {name}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--rate", type=float, default=0.0, help="events/s of each channel (0: as fast as it goes)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "evolution-ingest-profile")
+    if sys.platform != "linux":
+        raise SystemExit("py-spy record needs Linux here")
+    asyncio.run(main(parser.parse_args()))
