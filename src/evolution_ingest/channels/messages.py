@@ -31,6 +31,7 @@ import aio_pika
 import structlog
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
 
+from evolution_ingest.channels.acks import Acks
 from evolution_ingest.config import Settings
 from evolution_ingest.core.body import BodyRejected, load_body
 from evolution_ingest.core.contract import Outcome, Relay
@@ -107,6 +108,8 @@ class Messages:
         self.topology = topology
         #: The default exchange of the publishing channel, while connected.
         self.publisher: AbstractExchange | None = None
+        #: The batched acknowledgements of the consuming channel, while connected.
+        self.acks: Acks | None = None
 
     def log_outcome(self, queue: str, decision: Decision, started: float) -> None:
         envelope = decision.envelope
@@ -158,7 +161,7 @@ class Messages:
         """The one place a message is acknowledged, delayed, retried or parked."""
         headers = dict(message.headers or {})
         if decision.action is Action.ACK:
-            await message.ack()
+            await self._ack(message)
             return
         if decision.action is Action.BUSY:
             returns = _header_int(headers, HEADER_BUSY)
@@ -168,7 +171,7 @@ class Messages:
             else:
                 self._counters.incr(f"{_NAME}:lock_busy")
                 await self._republish(queue, message, self.topology.busy.queue, {HEADER_BUSY: returns + 1})
-            await message.ack()
+            await self._ack(message)
             return
         attempts = _header_int(headers, HEADER_ATTEMPTS)
         if decision.action is Action.RETRY and attempts < len(self.topology.tiers):
@@ -181,7 +184,7 @@ class Messages:
                 tier.queue,
                 {HEADER_ATTEMPTS: attempts + 1, HEADER_ERROR: decision.reason or ""},
             )
-            await message.ack()
+            await self._ack(message)
             return
         reason = decision.reason or "unknown"
         if decision.action is Action.RETRY:
@@ -194,7 +197,15 @@ class Messages:
             self.topology.parking,
             {HEADER_PARKED_REASON: reason[:1000], HEADER_PARKED_AT: datetime.now(UTC).isoformat()},
         )
-        await message.ack()
+        await self._ack(message)
+
+    async def _ack(self, message: AbstractIncomingMessage) -> None:
+        acks = self.acks
+        if acks is not None and acks.owns(message):
+            assert message.delivery_tag is not None
+            acks.settled(message.delivery_tag)
+        else:  # its channel is gone (the broker redelivers it), or no batching: alone, now
+            await message.ack()
 
     async def _republish(
         self, queue: str, message: AbstractIncomingMessage, target: str, extra: dict[str, Any]

@@ -22,6 +22,7 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 
+from evolution_ingest.channels.acks import Acks
 from evolution_ingest.channels.messages import Action, Decision, Messages
 from evolution_ingest.channels.topology import declare
 from evolution_ingest.config import Settings
@@ -82,6 +83,7 @@ class Worker:
             finally:
                 self.consuming.clear()
                 self._messages.publisher = None
+                self._messages.acks = None
                 with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
                     await asyncio.wait_for(connection.close(), 5)
         log.info("worker stopped")
@@ -96,6 +98,8 @@ class Worker:
         await declare(publish_channel, self.topology)
         await consume_channel.set_qos(prefetch_count=self._settings.rabbitmq_prefetch)
         self._messages.publisher = publish_channel.default_exchange
+        underlay = await consume_channel.get_underlay_channel()
+        acks = self._messages.acks = Acks(underlay, self._counters)
         consumers = []
         for name in self.topology.consumed_queues:
             queue = await consume_channel.get_queue(name, ensure=False)
@@ -128,6 +132,7 @@ class Worker:
             log.warning(
                 "messages still in flight at shutdown; RabbitMQ will redeliver them", count=self._inflight
             )
+        await acks.flush()
 
     async def _watch(
         self, connection: AbstractConnection, channel: AbstractChannel, tags: list[str], lost: asyncio.Event

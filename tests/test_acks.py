@@ -1,0 +1,84 @@
+"""Batched acknowledgements (channels/acks.py) against the real RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+
+from evolution_ingest.channels.acks import Acks
+from tests.conftest import RABBITMQ_URL
+from tests.support import eventually, wait_until
+from tests.support.evolution import broker, depth
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def incr(self, name: str, amount: int = 1) -> None:
+        self.values[name] = self.values.get(name, 0) + amount
+
+
+async def _has_messages(channel: AbstractChannel, queue: str) -> bool:
+    return await depth(channel, queue) > 0
+
+
+async def _consume(count: int, prefetch: int, slow: set[int], slow_seconds: float) -> tuple[Acks, list[int], int]:
+    """Publish ``count`` messages, consume them with ``Acks``; the bodies in ``slow`` take long.
+
+    Returns the acks, the order the bodies finished in, and the queue's ready depth after the
+    consumer's connection closed (unacknowledged messages go back to it).
+    """
+    queue_name = f"test-acks-{uuid.uuid4().hex[:8]}"
+    finished: list[int] = []
+    async with broker(RABBITMQ_URL) as (_, setup):
+        await setup.declare_queue(queue_name, durable=False, auto_delete=False)
+        for n in range(count):
+            await setup.default_exchange.publish(aio_pika.Message(body=str(n).encode()), routing_key=queue_name)
+        try:
+            connection = await aio_pika.connect(RABBITMQ_URL)
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=prefetch)
+            acks = Acks(await channel.get_underlay_channel(), _Counts(), hold=0.2)  # type: ignore[arg-type]
+
+            async def handle(message: AbstractIncomingMessage) -> None:
+                n = int(message.body)
+                await asyncio.sleep(slow_seconds if n in slow else 0.001)  # wait-ok: the work of a message
+                finished.append(n)
+                assert acks.owns(message)
+                assert message.delivery_tag is not None
+                acks.settled(message.delivery_tag)
+
+            queue = await channel.get_queue(queue_name, ensure=False)
+            await queue.consume(handle)
+            await wait_until(lambda: len(finished) == count, within=30, message="every message handled")
+            await acks.flush()
+            assert not channel.is_closed, "an acknowledgement closed the channel"
+            await connection.close()
+            # Unacknowledged messages go back to the queue as the channel closes: give them time.
+            await eventually(lambda: _has_messages(setup, queue_name), within=0.5)
+            left = await depth(setup, queue_name)
+        finally:
+            await setup.queue_delete(queue_name)
+    return acks, finished, left
+
+
+async def test_acks_go_in_batches_and_none_is_lost() -> None:
+    acks, finished, left = await _consume(400, prefetch=64, slow=set(), slow_seconds=0)
+    assert sorted(finished) == list(range(400))
+    assert acks.acked == 400
+    assert left == 0, "messages came back to the queue: their acks never reached the broker"
+    assert acks.frames < 400 / 2, f"{acks.frames} ack frames for 400 messages: not batched"
+
+
+async def test_a_slow_message_holds_back_neither_the_others_acks_nor_the_prefetch_window() -> None:
+    # Prefetch 8: if the slow message (body 3) held back the acks above it, the broker would
+    # stop delivering after 8 messages and the other 59 could not finish before it.
+    acks, finished, left = await _consume(60, prefetch=8, slow={3}, slow_seconds=3.0)
+    assert finished[-1] == 3, "the others waited for the slow message"
+    assert sorted(finished) == list(range(60))
+    assert acks.acked == 60
+    assert left == 0
