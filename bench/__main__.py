@@ -1,6 +1,7 @@
 """The benchmark: every scenario against the ceilings of this machine, in one bounded run.
 
-    .venv/bin/python -m bench [--events 20000] [--backlog 100000] [--soak 500000] [--quick]
+    .venv/bin/python -m bench [--events 20000] [--backlog 100000] [--soak 500000]
+                               [--prefill 5000000] [--purge 1000000] [--quick]
                                [--write docs/benchmarks.md]
 
 Starts what it needs (service processes on its own schema, Redis prefix and queues,
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from bench.ceilings import bare_http, raw_postgres, transport
+from bench.growth import growth
 from bench.report import Report, render
 from bench.scenarios import backlog, channel_scenario, half_load, soak, webhook_scenarios
 from bench.service import workload
@@ -107,6 +109,7 @@ async def main(args: argparse.Namespace) -> Report:
         )
     )
     await backlog(report, args.backlog, next(offsets))
+    await growth(report, n, next(offsets), args.prefill, args.purge)
     await soak(report, args.soak, next(offsets))
     return report
 
@@ -119,12 +122,21 @@ if __name__ == "__main__":
     parser.add_argument("--backlog", type=int, default=100_000, help="events waiting in RabbitMQ at start")
     parser.add_argument("--soak", type=int, default=500_000, help="events for the memory soak")
     parser.add_argument(
-        "--quick", action="store_true", help="small sizes (a few minutes): 5,000 / 20,000 / 50,000"
+        "--prefill", type=int, default=5_000_000, help="rows put in the inbox for the growth rows"
+    )
+    parser.add_argument(
+        "--purge", type=int, default=1_000_000, help="of those, rows purged alongside the load"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes (a few minutes): 5,000 / 20,000 / 50,000; 500,000 rows, 100,000 purged",
     )
     parser.add_argument("--write", type=Path, help="also write the report to this Markdown file")
     args = parser.parse_args()
     if args.quick:
         args.events, args.backlog, args.soak = 5_000, 20_000, 50_000
+        args.prefill, args.purge = 500_000, 100_000
     result = asyncio.run(main(args))
     text = render(result, args)
     print(text)

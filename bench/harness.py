@@ -208,8 +208,9 @@ async def post_all(
     max_seconds: float = 120,
     headers: dict[str, str] | None = None,
     rate: float = 0.0,
+    stop: asyncio.Event | None = None,
 ) -> LoadResult:
-    """POST every body, bounded by count and time.
+    """POST every body, bounded by count and time (and by ``stop``, once it is set).
 
     Closed loop (``rate`` 0): ``concurrency`` requests always in flight, as fast as the
     server answers. Open loop (``rate`` > 0): request *i* starts at ``i / rate`` seconds,
@@ -239,7 +240,7 @@ async def post_all(
 
             async def worker() -> None:
                 for index in indices:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                         return
                     await send(index)
 
@@ -256,7 +257,7 @@ async def post_all(
                 delay = started + index / rate - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                     break
                 tasks.append(asyncio.create_task(paced(index)))
             await asyncio.gather(*tasks)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.harness import Isolation, post_all
@@ -92,8 +92,10 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--events", type=int, default=20_000)
-    parser.add_argument("--rate", type=float, default=0.0, help="events/s of each channel (0: as fast as it goes)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "evolution-ingest-profile")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="events/s of each channel (0: as fast as it goes)"
+    )
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "evolution-ingest-profile")
     if sys.platform != "linux":
         raise SystemExit("py-spy record needs Linux here")
     asyncio.run(main(parser.parse_args()))

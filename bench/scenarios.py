@@ -11,6 +11,7 @@ from bench.harness import (
     Isolation,
     LoadResult,
     cli,
+    median,
     post_all,
 )
 from bench.measure import CpuMeter, Traced, infrastructure, status_mb
@@ -101,33 +102,43 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
         await iso.cleanup()
 
 
-async def half_load(report: Report, n: int, offset: int, full_rate: float) -> None:
-    bodies, keys = workload(offset, n)
+async def half_load(report: Report, n: int, offset: int, full_rate: float, runs: int = 10) -> None:
+    """Open-loop webhook load at half the maximum rate, ``runs`` times on one process: p99 of each."""
     iso = Isolation()
+    each = max(1, n // 2)
+    results, sent = [], {}
     try:
         async with running(iso, "up") as service:
-            result = await post_all(service.urls, bodies, 256, 300, rate=full_rate / 2)
-            await wait_traced(iso, n, 60)
+            for run in range(runs):
+                bodies, keys = workload(offset + run * each, each)
+                result = await post_all(service.urls, bodies, 256, 300, rate=full_rate / 2)
+                await wait_traced(iso, (run + 1) * each, 60)
+                results.append(result)
+                sent.update(zip(keys, result.sent_at, strict=True))
             traced = Traced.read(iso.trace_dir)
-            sent = dict(zip(keys, result.sent_at, strict=True))
+            p99s = [r.percentile(99) for r in results]
             report.rows.append(
                 Row(
-                    f"webhook only, unique, at half load ({full_rate / 2:,.0f}/s)",
-                    n,
-                    result.rate,
-                    result.percentile(50),
-                    result.percentile(99),
+                    f"webhook only, unique, at half load ({full_rate / 2:,.0f}/s), {runs} runs",
+                    runs * each,
+                    median([r.rate for r in results]),
+                    median([r.percentile(50) for r in results]),
+                    median(p99s),
                     *e2e(traced, sent),
                     service.rss(),
-                    traced.lost(keys),
+                    traced.lost(sent),
                     traced.doubled(),
+                    note="medians of the runs; p99 of each run: "
+                    + ", ".join(f"{p:.0f}" for p in p99s)
+                    + " ms",
                 )
             )
+            good = sum(1 for p in p99s if p <= 50)
             report.checks.append(
                 (
-                    "webhook p99 ≤ 50 ms at half the maximum throughput",
-                    f"{result.percentile(99):.1f} ms",
-                    result.percentile(99) <= 50,
+                    f"webhook p99 ≤ 50 ms at half the maximum throughput, in ≥ 9 of {runs} runs",
+                    f"{good} of {runs} (median {median(p99s):.1f} ms, worst {max(p99s):.1f} ms)",
+                    good >= 0.9 * runs,
                 )
             )
     finally:

@@ -77,16 +77,17 @@ def service_env(iso: Isolation, **extra: str) -> dict[str, str]:
 
 @asynccontextmanager
 async def running(
-    iso: Isolation, layout: str, replicas: int = 1, *, warm: bool = True
+    iso: Isolation, layout: str, replicas: int = 1, *, warm: bool = True, **settings: str
 ) -> AsyncIterator[Running]:
-    """``up`` (one process) or ``split`` (serve, worker and reconcile apart), ``replicas`` of each."""
+    """``up`` (one process) or ``split`` (serve, worker and reconcile apart), ``replicas`` of each;
+    ``settings``: more service settings (``RETENTION_ENABLED="false"``)."""
     ports = [free_port() for _ in range(replicas)]
     async with AsyncExitStack() as stack:
         procs = []
         if layout == "up":
             procs.append(
                 await stack.enter_async_context(
-                    process(cli("up"), service_env(iso, PORT=str(ports[0])), "up")
+                    process(cli("up"), service_env(iso, PORT=str(ports[0]), **settings), "up")
                 )
             )
         else:
@@ -96,7 +97,7 @@ async def running(
             await migrate.wait()
             for port in ports:
                 url = f"http://127.0.0.1:{port}/api/internal/webhook"
-                env = service_env(iso, PORT=str(port), FORWARD_URL=url)
+                env = service_env(iso, PORT=str(port), FORWARD_URL=url, **settings)
                 for command in ("serve", "worker", "reconcile"):
                     procs.append(await stack.enter_async_context(process(cli(command), env, command)))
         for port in ports:

@@ -280,3 +280,12 @@ async def test_reconcile_once_prints_what_it_did(
             assert "found 2" in result.stdout
             assert "recovered 2" in result.stdout
     assert recorder.total == 2
+
+
+async def test_purge_on_a_database_without_the_inbox_names_what_to_do(settings: Settings) -> None:
+    env = {**env_for(settings), "EVOLUTION_INGEST_DATABASE_SCHEMA": f"never_migrated_{settings.database_schema}"}
+    result = await cli(env, "purge", "--older-than", "2d", "--json")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "evolution-ingest migrate" in result.stderr
+    assert "EVOLUTION_INGEST_DATABASE_SCHEMA" in result.stderr

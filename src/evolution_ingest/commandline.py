@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import asyncpg
 import click
 import structlog
 import uvloop
@@ -46,6 +47,11 @@ def unavailable_is_an_error(
             return await step()
         except StoreUnavailable as exc:
             raise click.ClickException(f"{exc} (check EVOLUTION_INGEST_DATABASE_URL)") from None
+        except asyncpg.UndefinedTableError as exc:
+            raise click.ClickException(
+                f"the inbox is not set up in this database and schema ({exc}): run `evolution-ingest migrate` "
+                "(or start the service), or check EVOLUTION_INGEST_DATABASE_URL and EVOLUTION_INGEST_DATABASE_SCHEMA"
+            ) from None
 
     return run
 

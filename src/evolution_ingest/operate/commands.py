@@ -211,6 +211,12 @@ def replay(
 @click.option("--force", is_flag=True, help="Allow an age below EVOLUTION_INGEST_PURGE_MIN_AGE_SECONDS.")
 @click.option("--batch-size", type=click.IntRange(min=1, max=100_000), default=5_000, show_default=True)
 @click.option("--dry-run", is_flag=True, help="Count what would be purged; change nothing.")
+@click.option(
+    "--unpaced",
+    is_flag=True,
+    help="Delete as fast as Postgres goes (a maintenance window). By default batches are paced "
+    "as retention's are, so that the running service keeps its latency.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
 def purge(
@@ -221,6 +227,7 @@ def purge(
     force: bool,
     batch_size: int,
     dry_run: bool,
+    unpaced: bool,
     as_json: bool,
 ) -> None:
     """Delete processed rows older than an age, in batches. Never an unprocessed row."""
@@ -241,16 +248,18 @@ def purge(
     async def run_purge() -> dict[str, Any]:
         async with wiring.runtime(settings) as runtime:
             retention = runtime.stores.retention
-            total = await retention.count(age, payload_only=payload_only)
             if dry_run:
-                report.rows = total
+                report.rows = await retention.count(age, payload_only=payload_only)
             else:
                 remove = retention.empty_bodies if payload_only else retention.delete_rows
+                # The count (a scan of the inbox) is only for the progress bar.
+                total = None if as_json else await retention.count(age, payload_only=payload_only)
                 with console.progress_bar("purging", total, enabled=not as_json) as advance:
                     report.rows = await retention.walk(
                         lambda after: remove(after, age, batch_size),
                         until=time.time() - age,
                         progress=advance,
+                        pause=0.0 if unpaced else settings.retention_batch_pause_seconds,
                     )
         return report.as_dict()
 

@@ -1,0 +1,185 @@
+"""Flat as it grows: unique events on an empty inbox, then with millions of rows in it, then a
+``purge`` of a million rows alongside the load.
+
+Rows are put in with SQL (as many processed events, each with its body, received 3 days ago
+for the part the purge removes and just now for the rest), then vacuumed and analyzed, as
+autovacuum would have done. Retention is off in this scenario: its own pass would otherwise
+run during the measurements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+
+import asyncpg
+import orjson
+
+from bench.events import unique_event
+from bench.harness import DATABASE_URL, Isolation, LoadResult, cli, post_all
+from bench.measure import Traced
+from bench.report import Report, Row
+from bench.service import Running, e2e, running, service_env, wait_traced, workload
+
+_CHUNK = 250_000
+
+_FILL = """
+WITH rows AS (
+    INSERT INTO evolution_ingest_inbox
+        (dedup_key, event, instance, channel, webhook_seen_at, rabbitmq_seen_at, received_at,
+         processed_at, attempts)
+    SELECT encode(sha256(convert_to('growth-' || i, 'UTF8')), 'hex'), 'messages.upsert', 'bench-growth',
+           'WEBHOOK', t, t, t, t, 1
+    FROM (SELECT i, CASE WHEN i <= $3 THEN now() - interval '3 days' ELSE now() END AS t
+          FROM generate_series($1::bigint, $2::bigint) AS i) AS s
+    RETURNING id, received_at
+)
+INSERT INTO evolution_ingest_bodies (event_id, received_at, payload)
+SELECT id, received_at, $4::jsonb FROM rows
+"""
+
+_SIZES = """
+SELECT (SELECT count(*) FROM evolution_ingest_inbox) AS rows,
+       pg_relation_size('evolution_ingest_inbox') AS heap,
+       pg_total_relation_size('evolution_ingest_inbox') AS rows_total,
+       (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree('evolution_ingest_bodies')) AS bodies,
+       (SELECT json_object_agg(indexrelid::regclass::text, pg_relation_size(indexrelid))
+          FROM pg_index WHERE indrelid = 'evolution_ingest_inbox'::regclass) AS indexes
+"""
+
+
+async def _connect(iso: Isolation) -> asyncpg.Connection:
+    conn = await asyncpg.connect(DATABASE_URL)
+    await conn.execute(f'SET search_path TO "{iso.schema}"')
+    return conn
+
+
+async def fill(iso: Isolation, count: int, old: int) -> float:
+    """``count`` processed rows with bodies, the first ``old`` received 3 days ago; seconds taken."""
+    body = orjson.dumps(unique_event(0, "growth")[0]).decode()
+    started = time.perf_counter()
+    conn = await _connect(iso)
+    try:
+        for start in range(1, count + 1, _CHUNK):
+            end = min(count, start + _CHUNK - 1)
+            await conn.execute(_FILL, start, end, old, body, timeout=900)
+            print(f"growth: {end:,} of {count:,} rows in the inbox ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr)  # fmt: skip
+        await conn.execute("VACUUM (ANALYZE) evolution_ingest_inbox", timeout=1800)
+        await conn.execute("VACUUM (ANALYZE) evolution_ingest_bodies", timeout=1800)
+    finally:
+        await conn.close()
+    return time.perf_counter() - started
+
+
+async def sizes(iso: Isolation) -> dict[str, object]:
+    conn = await _connect(iso)
+    try:
+        record = await conn.fetchrow(_SIZES)
+    finally:
+        await conn.close()
+    assert record is not None
+    return {**dict(record), "indexes": orjson.loads(record["indexes"])}
+
+
+def _row(name: str, n: int, result: LoadResult, traced: Traced, keys: list[str], service: Running,
+         note: str = "") -> Row:  # fmt: skip
+    sent = {k: at for k, at in zip(keys, result.sent_at, strict=True) if not math.isnan(at)}  # sent ones only
+    lost = traced.lost(sent)
+    return Row(name, n, result.rate, result.percentile(50), result.percentile(99), *e2e(traced, sent),
+               service.rss(), lost, traced.doubled(), note=note)  # fmt: skip
+
+
+async def growth(report: Report, n: int, offset: int, prefill: int, purged: int) -> None:
+    """Unique events into an empty inbox, then into one of ``prefill`` rows (each in a fresh
+    process); then a purge of ``purged`` of those rows alongside a load at half that rate."""
+    empty_iso = Isolation()
+    try:
+        async with running(empty_iso, "up", RETENTION_ENABLED="false") as service:
+            bodies, keys = workload(offset, n)
+            empty = await post_all(service.urls, bodies, 64, 300)
+            await wait_traced(empty_iso, n, 60)
+            report.rows.append(_row("growth: unique webhook events, empty inbox", n, empty,
+                                    Traced.read(empty_iso.trace_dir), keys, service))  # fmt: skip
+    finally:
+        await empty_iso.cleanup()
+
+    iso = Isolation()
+    try:
+        migrate = await asyncio.create_subprocess_exec(
+            *cli("migrate"), env=service_env(iso), stdout=asyncio.subprocess.DEVNULL
+        )
+        await migrate.wait()
+        # Before the service starts: the oldest rows get the lowest ids, as in a real inbox
+        # (purge and retention walk in id order).
+        took = await fill(iso, prefill, purged)
+        async with running(iso, "up", RETENTION_ENABLED="false") as service:
+            bodies, more = workload(offset + n, n)
+            full = await post_all(service.urls, bodies, 64, 300)
+            await wait_traced(iso, n, 60)
+            report.rows.append(_row(f"growth: the same with {prefill:,} rows in the inbox", n, full,
+                                    Traced.read(iso.trace_dir), more, service,
+                                    note=f"rows put in and vacuumed in {took:.0f} s"))  # fmt: skip
+            measured = await sizes(iso)
+
+            rate = empty.rate / 2
+            bodies, calm = workload(offset + 2 * n, n)
+            before = await post_all(service.urls, bodies, 256, 300, rate=rate)
+            await wait_traced(iso, 2 * n, 60)
+            report.rows.append(_row(f"growth: at half load ({rate:,.0f}/s), no purge", n, before,
+                                    Traced.read(iso.trace_dir), calm, service))  # fmt: skip
+
+            cap = int(rate * 300)  # bounded: at most 5 minutes of load
+            bodies, busy = workload(offset + 3 * n, cap)
+            stop = asyncio.Event()
+            load = asyncio.create_task(post_all(service.urls, bodies, 256, 300, rate=rate, stop=stop))
+            await asyncio.sleep(2)  # wait-ok: the load runs before the purge starts
+            started = time.perf_counter()
+            purge = await asyncio.create_subprocess_exec(
+                *cli("purge", "--older-than", "2d", "--json"), env=service_env(iso),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(purge.communicate(), 900)
+            purge_seconds = time.perf_counter() - started
+            stop.set()
+            during = await load
+            removed = (
+                f"{orjson.loads(out)['rows_deleted']:,} rows"
+                if purge.returncode == 0
+                else "nothing (it failed)"
+            )
+            await wait_traced(iso, 2 * n + during.count, 120)
+            report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count,
+                                    during, Traced.read(iso.trace_dir), busy, service,
+                                    note=f"purge took {purge_seconds:.0f} s, removed {removed}"))  # fmt: skip
+    finally:
+        await iso.cleanup()
+
+    rows = int(measured["rows"])  # type: ignore[call-overload]
+    heap = int(measured["heap"])  # type: ignore[call-overload]
+    indexes: dict[str, int] = measured["indexes"]  # type: ignore[assignment]
+    per_index = ", ".join(
+        f"{name.split('.')[-1]} {size / rows:.0f}" for name, size in sorted(indexes.items())
+    )
+    report.notes.append(
+        f"Inbox with {rows:,} rows: {heap / rows:.0f} bytes per row in the heap, per index entry: {per_index}; "
+        f"rows with their indexes {int(measured['rows_total']) / rows:.0f} bytes per event "  # type: ignore[call-overload]
+        f"and bodies {int(measured['bodies']) / rows:.0f} bytes per event (all partitions, TOAST and keys)."  # type: ignore[call-overload]
+    )
+    report.checks.append(
+        (
+            f"flat as it grows: unique events with {prefill:,} rows ≥ 0.9 × empty inbox",
+            f"{full.rate / empty.rate:.2f}× ({full.rate:,.0f} vs {empty.rate:,.0f}/s)",
+            full.rate >= 0.9 * empty.rate,
+        )
+    )
+    report.checks.append(
+        (
+            f"a purge of {purged:,} rows raises webhook p99 by < 2×",
+            f"{during.percentile(99) / before.percentile(99):.2f}× "
+            f"({before.percentile(99):.1f} → {during.percentile(99):.1f} ms)",
+            during.percentile(99) < 2 * before.percentile(99),
+        )
+    )
