@@ -22,6 +22,7 @@ from bench.harness import DATABASE_URL, Isolation, LoadResult, cli, post_all
 from bench.measure import Traced
 from bench.report import Report, Row
 from bench.service import Running, e2e, running, service_env, wait_traced, workload
+from evolution_ingest.stores.retention import Partition
 
 _CHUNK = 250_000
 
@@ -62,6 +63,14 @@ async def fill(iso: Isolation, count: int, old: int) -> float:
     started = time.perf_counter()
     conn = await _connect(iso)
     try:
+        # The old rows' bodies in their day's partition, as in an inbox whose retention runs.
+        day = 86_400
+        first = (int(time.time()) - 3 * day) // day * day
+        part = Partition(first, first + day)
+        await conn.execute(
+            f'CREATE TABLE IF NOT EXISTS "{part.name}" PARTITION OF evolution_ingest_bodies '
+            f"FOR VALUES FROM ('{part.bound(part.start)}') TO ('{part.bound(part.end)}')"
+        )
         for start in range(1, count + 1, _CHUNK):
             end = min(count, start + _CHUNK - 1)
             await conn.execute(_FILL, start, end, old, body, timeout=900)
@@ -90,6 +99,30 @@ def _row(name: str, n: int, result: LoadResult, traced: Traced, keys: list[str],
     lost = traced.lost(sent)
     return Row(name, n, result.rate, result.percentile(50), result.percentile(99), *e2e(traced, sent),
                service.rss(), lost, traced.doubled(), note=note)  # fmt: skip
+
+
+async def _purge_under_load(
+    iso: Isolation, service: Running, offset: int, rate: float
+) -> tuple[LoadResult, list[str], str]:
+    """``purge --older-than 2d`` while webhook events come at ``rate``: the load, its keys, a note."""
+    cap = int(rate * 300)  # bounded: at most 5 minutes of load
+    bodies, keys = workload(offset, cap)
+    stop = asyncio.Event()
+    load = asyncio.create_task(post_all(service.urls, bodies, 256, 300, rate=rate, stop=stop))
+    await asyncio.sleep(2)  # wait-ok: the load runs before the purge starts
+    started = time.perf_counter()
+    purge = await asyncio.create_subprocess_exec(
+        *cli("purge", "--older-than", "2d", "--json"), env=service_env(iso),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(purge.communicate(), 900)
+    took = time.perf_counter() - started
+    stop.set()
+    during = await load
+    removed = (
+        f"{orjson.loads(out)['rows_deleted']:,} rows" if purge.returncode == 0 else "nothing (it failed)"
+    )
+    return during, keys, f"purge took {took:.0f} s, removed {removed}"
 
 
 async def growth(report: Report, n: int, offset: int, prefill: int, purged: int) -> None:
@@ -131,29 +164,10 @@ async def growth(report: Report, n: int, offset: int, prefill: int, purged: int)
             report.rows.append(_row(f"growth: at half load ({rate:,.0f}/s), no purge", n, before,
                                     Traced.read(iso.trace_dir), calm, service))  # fmt: skip
 
-            cap = int(rate * 300)  # bounded: at most 5 minutes of load
-            bodies, busy = workload(offset + 3 * n, cap)
-            stop = asyncio.Event()
-            load = asyncio.create_task(post_all(service.urls, bodies, 256, 300, rate=rate, stop=stop))
-            await asyncio.sleep(2)  # wait-ok: the load runs before the purge starts
-            started = time.perf_counter()
-            purge = await asyncio.create_subprocess_exec(
-                *cli("purge", "--older-than", "2d", "--json"), env=service_env(iso),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
-            out, _ = await asyncio.wait_for(purge.communicate(), 900)
-            purge_seconds = time.perf_counter() - started
-            stop.set()
-            during = await load
-            removed = (
-                f"{orjson.loads(out)['rows_deleted']:,} rows"
-                if purge.returncode == 0
-                else "nothing (it failed)"
-            )
+            during, keys, note = await _purge_under_load(iso, service, offset + 3 * n, rate)
             await wait_traced(iso, 2 * n + during.count, 120)
             report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count,
-                                    during, Traced.read(iso.trace_dir), busy, service,
-                                    note=f"purge took {purge_seconds:.0f} s, removed {removed}"))  # fmt: skip
+                                    during, Traced.read(iso.trace_dir), keys, service, note=note))  # fmt: skip
     finally:
         await iso.cleanup()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -130,20 +132,29 @@ class Isolation:
                 await channel.exchange_delete(exchange)
 
 
+#: ``event loop stalled`` log lines of each service process, by pid (see ``process``).
+STALLS: dict[int, list[dict[str, Any]]] = {}
+
+
 @asynccontextmanager
 async def process(
     args: Sequence[str], env: dict[str, str], name: str
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """A child process, stopped with SIGTERM (then SIGKILL) on exit."""
+    """A child process, stopped with SIGTERM (then SIGKILL) on exit; ``STALLS[pid]`` collects the
+    ``event loop stalled`` lines it logs (parsed)."""
     proc = await asyncio.create_subprocess_exec(*args, env=env, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
     log: list[bytes] = []
+    stalls = STALLS.setdefault(proc.pid, [])
 
     async def drain() -> None:
         assert proc.stderr is not None
         while line := await proc.stderr.readline():
             log.append(line)
             del log[:-50]
+            if b"event loop stalled" in line:
+                with contextlib.suppress(ValueError):
+                    stalls.append(json.loads(line))
 
     drainer = asyncio.create_task(drain())
     try:
@@ -189,6 +200,8 @@ class LoadResult:
     statuses: dict[int, int]
     #: Unix time each body was sent, by index (what end-to-end latency is measured from).
     sent_at: list[float] = field(default_factory=list)
+    #: Latency of each request in ms, by index (NaN: not sent): when the slow ones were sent.
+    by_index: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -221,6 +234,7 @@ async def post_all(
     latencies: list[float] = []
     statuses: dict[int, int] = {}
     sent_at = [float("nan")] * len(bodies)
+    by_index = [float("nan")] * len(bodies)
     deadline = time.monotonic() + max_seconds
     connector = aiohttp.TCPConnector(limit=concurrency)
     hdrs = {"content-type": "application/json", **(headers or {})}
@@ -233,6 +247,7 @@ async def post_all(
                 await resp.read()
                 statuses[resp.status] = statuses.get(resp.status, 0) + 1
             latencies.append((time.perf_counter() - started) * 1000)
+            by_index[index] = latencies[-1]
 
         started = time.perf_counter()
         if rate <= 0:
@@ -262,7 +277,7 @@ async def post_all(
                 tasks.append(asyncio.create_task(paced(index)))
             await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
-    return LoadResult(len(latencies), elapsed, latencies, statuses, sent_at)
+    return LoadResult(len(latencies), elapsed, latencies, statuses, sent_at, by_index)
 
 
 async def timed(step: Callable[[], Awaitable[Any]]) -> float:

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from bench.harness import (
+    STALLS,
     Isolation,
     LoadResult,
     cli,
@@ -132,6 +133,14 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
                     + ", ".join(f"{p:.0f}" for p in p99s)
                     + " ms",
                 )
+            )
+            stalls = [s for pid in service.pids for s in STALLS.get(pid, [])]
+            busy = [s for s in stalls if s.get("cause", "").startswith("busy")]
+            report.notes.append(
+                f"Half load, {runs} runs: the service's event loop stalled > 100 ms {len(stalls)} times "
+                f"({len(busy)} busy in the process, {len(stalls) - len(busy)} waiting for a core; longest "
+                f"{max((s['lag_ms'] for s in stalls), default=0):.0f} ms; most GC in one "
+                f"{max((s['gc_ms'] for s in stalls), default=0):.0f} ms)."
             )
             good = sum(1 for p in p99s if p <= 50)
             report.checks.append(

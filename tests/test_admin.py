@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from typing import Any
 
 import aio_pika
@@ -16,7 +17,9 @@ import pytest
 from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.stores.inbox import TABLE
+from evolution_ingest.stores.inbox_sql import BODIES, VIEW
 from evolution_ingest.stores.queues import Topology
+from evolution_ingest.stores.retention import Partition
 from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving, worker_for
 from tests.support import Recorder, dead_port, fixture, fixtures, wait_until
 from tests.support.evolution import EvolutionPublisher, broker, depth, remove
@@ -191,6 +194,8 @@ async def test_a_late_retry_of_an_event_purged_with_payload_only_is_still_a_dupl
             "payload_only": True,
             "older_than_seconds": 3600.0,
             "payloads_dropped": 1,
+            "body_partitions_dropped": 0,
+            "bodies_dropped_with_partitions": 0,
         }
     # A fresh process (nothing remembered in memory) and no Redis marks: Postgres alone decides.
     async with (
@@ -289,3 +294,37 @@ async def test_purge_on_a_database_without_the_inbox_names_what_to_do(settings: 
     assert "Traceback" not in result.stderr
     assert "evolution-ingest migrate" in result.stderr
     assert "EVOLUTION_INGEST_DATABASE_SCHEMA" in result.stderr
+
+
+async def test_purge_drops_a_partition_of_old_bodies_whole_and_keeps_an_unprocessed_body(
+    open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
+) -> None:
+    items = fixtures()[:3]
+    async with open_runtime() as runtime, serving(runtime) as url:
+        for item in items[:2]:
+            async with http.post(url, data=orjson.dumps(item["webhook_body"])) as resp:
+                assert resp.status == 200
+        await stuck_events(runtime, db, items[2:])  # unprocessed
+    day = 86_400
+    start = (int(time.time()) // day - 3) * day
+    old = Partition(start, start + day)
+    await db.execute(
+        f'CREATE TABLE "{old.name}" PARTITION OF {BODIES} FOR VALUES FROM '
+        f"('{old.bound(old.start)}') TO ('{old.bound(old.end)}')"
+    )
+    # Three days old, bodies included (they move into the old partition with their key).
+    at = "to_timestamp($1)"
+    await db.execute(f"UPDATE {BODIES} SET received_at = {at}", start + 3600)
+    await db.execute(f"UPDATE {TABLE} SET received_at = {at}", start + 3600)
+    await db.execute(f"UPDATE {TABLE} SET processed_at = {at} WHERE processed_at IS NOT NULL", start + 3600)
+    assert await db.fetchval(f'SELECT count(*) FROM "{old.name}"') == 3
+    await db.execute(f'ANALYZE "{old.name}"')
+
+    done = await cli_json(env_for(settings), "purge", "--older-than", "2d")
+    assert done["body_partitions_dropped"] == 1
+    assert done["bodies_dropped_with_partitions"] == 3
+    assert done["rows_deleted"] == 2
+    assert await db.fetchval("SELECT to_regclass($1)", old.name) is None
+    left = await db.fetch(f"SELECT payload FROM {VIEW}")
+    assert len(left) == 1
+    assert left[0]["payload"] is not None, "the unprocessed event lost its body"

@@ -28,6 +28,7 @@ from evolution_ingest.lifecycle import Component, run_components, webhook_compon
 from evolution_ingest.operate.dashboard import Operator
 from evolution_ingest.operate.gaps import GapWatcher
 from evolution_ingest.operate.instances import InstanceWatcher
+from evolution_ingest.operate.loop_monitor import LoopMonitor
 from evolution_ingest.operate.retention_job import RetentionJob
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import run_migrations
@@ -100,7 +101,7 @@ def tune_gc() -> None:
 async def run_service(settings: Settings, *, webhook: bool, worker: bool, reconciler: bool) -> int:
     tune_gc()
     async with Runtime.open(settings) as runtime:
-        components: dict[str, Component] = {}
+        components: dict[str, Component] = {"loop-monitor": LoopMonitor(runtime.counters).run}
         if webhook:
             operator = Operator(runtime.stores, settings)
             app = create_app(runtime.ingestion, settings, runtime.refusals, operator.endpoints())

@@ -21,9 +21,8 @@ from typing import Final
 
 import aiormq
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
-from aio_pika.exceptions import ChannelInvalidStateError
 
+from evolution_ingest.channels.delivery import Delivery
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.queues import BROKER_ERRORS
 
@@ -53,12 +52,13 @@ class Acks:
         self.frames = 0
         self.acked = 0
 
-    def owns(self, message: AbstractIncomingMessage) -> bool:
+    def owns(self, message: Delivery) -> bool:
         """Whether ``message`` came on this channel (not on one closed since)."""
-        try:
-            return message.channel is self._channel and message.delivery_tag is not None
-        except ChannelInvalidStateError:
-            return False
+        return (
+            message.channel is self._channel
+            and not self._channel.is_closed
+            and message.delivery_tag is not None
+        )
 
     def settled(self, tag: int) -> None:
         """The message with ``tag`` is settled (done, or republished and confirmed): ack it soon."""

@@ -29,9 +29,10 @@ from typing import Any, Final
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from aio_pika.abc import AbstractExchange
 
 from evolution_ingest.channels.acks import Acks
+from evolution_ingest.channels.delivery import Delivery
 from evolution_ingest.config import Settings
 from evolution_ingest.core.body import BodyRejected, load_body
 from evolution_ingest.core.contract import Outcome, Relay
@@ -126,7 +127,7 @@ class Messages:
         )
 
     async def _refuse(
-        self, queue: str, message: AbstractIncomingMessage, code: str, reason: str, envelope: Envelope | None
+        self, queue: str, message: Delivery, code: str, reason: str, envelope: Envelope | None
     ) -> Decision:
         """Keep a message that can never be processed as a refusal and ack it; park it if it cannot be kept."""
         origin = f"{queue} [{message.routing_key or ''}]"
@@ -136,7 +137,7 @@ class Messages:
             return Decision(Action.PARK, reason, "invalid", envelope)
         return Decision(Action.ACK, reason, "refused", envelope)
 
-    async def decide(self, queue: str, message: AbstractIncomingMessage) -> Decision:
+    async def decide(self, queue: str, message: Delivery) -> Decision:
         try:
             body = load_body(
                 message.body, max_bytes=self._settings.max_body_bytes, max_keys=self._settings.max_json_keys
@@ -157,9 +158,9 @@ class Messages:
             )
         return Decision(SETTLEMENT[result.outcome], result.error, result.outcome.value, envelope)
 
-    async def settle(self, queue: str, message: AbstractIncomingMessage, decision: Decision) -> None:
+    async def settle(self, queue: str, message: Delivery, decision: Decision) -> None:
         """The one place a message is acknowledged, delayed, retried or parked."""
-        headers = dict(message.headers or {})
+        headers = message.headers
         if decision.action is Action.ACK:
             await self._ack(message)
             return
@@ -199,7 +200,7 @@ class Messages:
         )
         await self._ack(message)
 
-    async def _ack(self, message: AbstractIncomingMessage) -> None:
+    async def _ack(self, message: Delivery) -> None:
         acks = self.acks
         if acks is not None and acks.owns(message):
             assert message.delivery_tag is not None
@@ -207,9 +208,7 @@ class Messages:
         else:  # its channel is gone (the broker redelivers it), or no batching: alone, now
             await message.ack()
 
-    async def _republish(
-        self, queue: str, message: AbstractIncomingMessage, target: str, extra: dict[str, Any]
-    ) -> None:
+    async def _republish(self, queue: str, message: Delivery, target: str, extra: dict[str, Any]) -> None:
         if self.publisher is None:
             raise aio_pika.exceptions.ChannelInvalidStateError("no publish channel")
         headers: dict[str, Any] = dict(message.headers or {})

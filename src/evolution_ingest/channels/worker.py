@@ -20,9 +20,11 @@ from typing import Final
 import aio_pika
 import aiormq
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from aio_pika.abc import AbstractConnection
+from aiormq.abc import DeliveredMessage
 
 from evolution_ingest.channels.acks import Acks
+from evolution_ingest.channels.delivery import Delivery
 from evolution_ingest.channels.messages import Action, Decision, Messages
 from evolution_ingest.channels.topology import declare
 from evolution_ingest.config import Settings
@@ -102,16 +104,17 @@ class Worker:
         acks = self._messages.acks = Acks(underlay, self._counters)
         consumers = []
         for name in self.topology.consumed_queues:
-            queue = await consume_channel.get_queue(name, ensure=False)
-            tag = await queue.consume(functools.partial(self.handle, name))
-            consumers.append((queue, tag))
+            # On aiormq's channel: one task per delivery (see channels/delivery.py).
+            ok = await underlay.basic_consume(name, functools.partial(self._delivered, name))
+            assert ok.consumer_tag is not None
+            consumers.append(ok.consumer_tag)
         self.consuming.set()
         log.info("worker consuming", queues=len(consumers), mode=self.topology.mode.value)
 
         waiting = [
             asyncio.create_task(stop.wait()),
             asyncio.create_task(lost.wait()),
-            asyncio.create_task(self._watch(connection, consume_channel, [t for _, t in consumers], lost)),
+            asyncio.create_task(self._watch(connection, underlay, consumers, lost)),
         ]
         try:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -123,9 +126,9 @@ class Worker:
             raise ConnectionError("connection or channel closed")
         # Stopping: take no more messages, finish those in flight, return the waiting ones.
         self._stopping = True
-        for queue, tag in consumers:
+        for tag in consumers:
             with contextlib.suppress(*BROKER_ERRORS):
-                await queue.cancel(tag)
+                await underlay.basic_cancel(tag)
         try:
             await asyncio.wait_for(self._idle.wait(), self._settings.shutdown_timeout_seconds)
         except TimeoutError:
@@ -135,13 +138,13 @@ class Worker:
         await acks.flush()
 
     async def _watch(
-        self, connection: AbstractConnection, channel: AbstractChannel, tags: list[str], lost: asyncio.Event
-    ) -> None:
+        self, connection: AbstractConnection, channel: aiormq.abc.AbstractChannel, tags: list[str],
+        lost: asyncio.Event,
+    ) -> None:  # fmt: skip
         """Make sure every consumer is still registered, here and on the broker."""
         while True:
             await asyncio.sleep(self._settings.rabbitmq_watchdog_seconds)
-            underlay = await channel.get_underlay_channel()
-            registered = underlay.consumers if isinstance(underlay, aiormq.Channel) else {}
+            registered = channel.consumers if isinstance(channel, aiormq.Channel) else {}
             missing = [tag for tag in tags if tag not in registered]
             if not missing:
                 missing = await self._unconsumed_queues(connection)
@@ -165,7 +168,10 @@ class Worker:
                 await probe.close()
 
     # --- one message ----------------------------------------------------------------------
-    async def handle(self, queue: str, message: AbstractIncomingMessage) -> None:
+    async def _delivered(self, queue: str, delivered: DeliveredMessage) -> None:
+        await self.handle(queue, Delivery(delivered))
+
+    async def handle(self, queue: str, message: Delivery) -> None:
         """The consumer callback: decide, then settle, with bounded concurrency."""
         self._inflight += 1
         self._idle.clear()

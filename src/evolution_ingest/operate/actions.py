@@ -201,6 +201,10 @@ class PurgeReport:
     payload_only: bool
     older_than_seconds: float
     rows: int = 0
+    #: Partitions of bodies wholly older than the age, dropped first, and the bodies they held
+    #: (the planner's count; unprocessed events' bodies are kept in their row first).
+    partitions: int = 0
+    partition_bodies: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -208,6 +212,8 @@ class PurgeReport:
             "payload_only": self.payload_only,
             "older_than_seconds": self.older_than_seconds,
             ("payloads_dropped" if self.payload_only else "rows_deleted"): self.rows,
+            "body_partitions_dropped": self.partitions,
+            "bodies_dropped_with_partitions": self.partition_bodies,
         }
 
 

@@ -34,6 +34,7 @@ HISTOGRAMS: Final = {
     "webhook_seconds": "Time to answer a webhook call or a forward that reached the ingestion core.",
     "handler_seconds": "Time the business logic (all handlers) took per run.",
     "end_to_end_seconds": "From Evolution's date_time to processed_at.",
+    "event_loop_lag_seconds": "How late each process's event loop woke up for a timer, sampled every 50 ms.",
 }
 _EXPOSITION: Final = "text/plain; version=0.0.4; charset=utf-8"
 
