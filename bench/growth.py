@@ -168,6 +168,12 @@ async def growth(report: Report, n: int, offset: int, prefill: int, purged: int)
             await wait_traced(iso, 2 * n + during.count, 120)
             report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count,
                                     during, Traced.read(iso.trace_dir), keys, service, note=note))  # fmt: skip
+            # The baseline again after the purge: the lower of the two p99s is the one compared.
+            bodies, calm = workload(offset + 3 * n + len(keys), n)
+            after = await post_all(service.urls, bodies, 256, 300, rate=rate)
+            await wait_traced(iso, 3 * n + during.count, 60)
+            report.rows.append(_row(f"growth: at half load ({rate:,.0f}/s), after the purge", n, after,
+                                    Traced.read(iso.trace_dir), calm, service))  # fmt: skip
     finally:
         await iso.cleanup()
 
@@ -189,11 +195,12 @@ async def growth(report: Report, n: int, offset: int, prefill: int, purged: int)
             full.rate >= 0.9 * empty.rate,
         )
     )
+    calm_p99 = min(before.percentile(99), after.percentile(99))
     report.checks.append(
         (
-            f"a purge of {purged:,} rows raises webhook p99 by < 2×",
-            f"{during.percentile(99) / before.percentile(99):.2f}× "
-            f"({before.percentile(99):.1f} → {during.percentile(99):.1f} ms)",
-            during.percentile(99) < 2 * before.percentile(99),
+            f"a purge of {purged:,} rows raises webhook p99 by < 2× (vs the lower p99 of before and after)",
+            f"{during.percentile(99) / calm_p99:.2f}× "
+            f"({before.percentile(99):.1f} before, {after.percentile(99):.1f} after → {during.percentile(99):.1f} ms)",
+            during.percentile(99) < 2 * calm_p99,
         )
     )

@@ -7,6 +7,8 @@ import os
 import subprocess
 import time
 
+import aiohttp
+
 from bench.harness import (
     STALLS,
     Isolation,
@@ -103,6 +105,24 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
         await iso.cleanup()
 
 
+async def loop_lag(url: str) -> str:
+    """Shares of the service's event-loop wake-ups later than 10, 25, 50 and 100 ms (from /metrics)."""
+    base = url.split("/api/", maxsplit=1)[0]
+    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    buckets = {}
+    for line in text.splitlines():
+        if line.startswith("evolution_ingest_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets[le] = float(line.rsplit(" ", 1)[1])
+    total = buckets.get("+Inf", 0.0)
+    if not total:
+        return "not measured"
+    late = [f"{100 * (total - buckets[le]) / total:.2f} % over {float(le) * 1000:.0f} ms"
+            for le in ("0.01", "0.025", "0.05", "0.1") if le in buckets]  # fmt: skip
+    return f"{total:,.0f} wake-ups, " + ", ".join(late)
+
+
 async def half_load(report: Report, n: int, offset: int, full_rate: float, runs: int = 10) -> None:
     """Open-loop webhook load at half the maximum rate, ``runs`` times on one process: p99 of each."""
     iso = Isolation()
@@ -134,13 +154,14 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
                     + " ms",
                 )
             )
+            lag = await loop_lag(service.urls[0])
             stalls = [s for pid in service.pids for s in STALLS.get(pid, [])]
             busy = [s for s in stalls if s.get("cause", "").startswith("busy")]
             report.notes.append(
                 f"Half load, {runs} runs: the service's event loop stalled > 100 ms {len(stalls)} times "
                 f"({len(busy)} busy in the process, {len(stalls) - len(busy)} waiting for a core; longest "
                 f"{max((s['lag_ms'] for s in stalls), default=0):.0f} ms; most GC in one "
-                f"{max((s['gc_ms'] for s in stalls), default=0):.0f} ms)."
+                f"{max((s['gc_ms'] for s in stalls), default=0):.0f} ms). Its wake-ups every 50 ms: {lag}."
             )
             good = sum(1 for p in p99s if p <= 50)
             report.checks.append(

@@ -51,6 +51,11 @@ LAYOUT: list[Any] = [
     ("Evolution's date_time to processed, p50 / p99", "timeseries", "s",
      [(f"histogram_quantile({q}, sum by (le) (rate(evolution_ingest_end_to_end_seconds_bucket[{RATE}])))", f"p{int(q * 100)}")
       for q in (0.5, 0.99)], 8),
+    ("Event-loop lag p50 / p99 (how late the service's processes wake)", "timeseries", "s",
+     [(f"histogram_quantile({q}, sum by (le) (rate(evolution_ingest_event_loop_lag_seconds_bucket[{RATE}])))", f"p{int(q * 100)}")
+      for q in (0.5, 0.99)], 12),
+    ("Event-loop stalls over 100 ms, last 5 minutes", "timeseries", "short",
+     [('sum(increase(evolution_ingest_counter_total{name="loop:stalls"}[5m]))', "stalls")], 12),
     "RabbitMQ",
     ("Queue depth", "timeseries", "short",
      [("max by (queue, role) (evolution_ingest_queue_messages)", "{{role}} {{queue}}")], 8),

@@ -140,15 +140,24 @@ async def test_a_parked_message_is_replayed_and_processed_once(
     assert recorder.calls == {parse_envelope(item["rabbitmq_body"]).dedup_key: 1}
 
 
-async def test_purge_never_removes_an_unprocessed_row_and_refuses_a_short_age(
-    open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
+async def _processed_and_stuck(
+    open_runtime: OpenRuntime,
+    db: asyncpg.Connection,
+    http: aiohttp.ClientSession,
+    items: list[dict[str, Any]],
 ) -> None:
-    items = fixtures()[:4]
+    """The first two events processed by the webhook, the others saved and left unprocessed."""
     async with open_runtime() as runtime, serving(runtime) as url:
         for item in items[:2]:
             async with http.post(url, data=orjson.dumps(item["webhook_body"])) as resp:
                 assert resp.status == 200
-        await stuck_events(runtime, db, items[2:])  # unprocessed
+        await stuck_events(runtime, db, items[2:])
+
+
+async def test_purge_never_removes_an_unprocessed_row_and_refuses_a_short_age(
+    open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
+) -> None:
+    await _processed_and_stuck(open_runtime, db, http, fixtures()[:4])
     await db.execute(f"UPDATE {TABLE} SET received_at = now() - interval '3 days'")
     await db.execute(
         f"UPDATE {TABLE} SET processed_at = now() - interval '3 days' WHERE processed_at IS NOT NULL"
@@ -288,7 +297,10 @@ async def test_reconcile_once_prints_what_it_did(
 
 
 async def test_purge_on_a_database_without_the_inbox_names_what_to_do(settings: Settings) -> None:
-    env = {**env_for(settings), "EVOLUTION_INGEST_DATABASE_SCHEMA": f"never_migrated_{settings.database_schema}"}
+    env = {
+        **env_for(settings),
+        "EVOLUTION_INGEST_DATABASE_SCHEMA": f"never_migrated_{settings.database_schema}",
+    }
     result = await cli(env, "purge", "--older-than", "2d", "--json")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -299,12 +311,7 @@ async def test_purge_on_a_database_without_the_inbox_names_what_to_do(settings: 
 async def test_purge_drops_a_partition_of_old_bodies_whole_and_keeps_an_unprocessed_body(
     open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
 ) -> None:
-    items = fixtures()[:3]
-    async with open_runtime() as runtime, serving(runtime) as url:
-        for item in items[:2]:
-            async with http.post(url, data=orjson.dumps(item["webhook_body"])) as resp:
-                assert resp.status == 200
-        await stuck_events(runtime, db, items[2:])  # unprocessed
+    await _processed_and_stuck(open_runtime, db, http, fixtures()[:3])
     day = 86_400
     start = (int(time.time()) // day - 3) * day
     old = Partition(start, start + day)
