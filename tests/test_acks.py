@@ -26,7 +26,9 @@ async def _has_messages(channel: AbstractChannel, queue: str) -> bool:
     return await depth(channel, queue) > 0
 
 
-async def _consume(count: int, prefetch: int, slow: set[int], slow_seconds: float) -> tuple[Acks, list[int], int]:
+async def _consume(
+    count: int, prefetch: int, slow: set[int], slow_seconds: float
+) -> tuple[Acks, list[int], int]:
     """Publish ``count`` messages, consume them with ``Acks``; the bodies in ``slow`` take long.
 
     Returns the acks, the order the bodies finished in, and the queue's ready depth after the
@@ -37,7 +39,9 @@ async def _consume(count: int, prefetch: int, slow: set[int], slow_seconds: floa
     async with broker(RABBITMQ_URL) as (_, setup):
         await setup.declare_queue(queue_name, durable=False, auto_delete=False)
         for n in range(count):
-            await setup.default_exchange.publish(aio_pika.Message(body=str(n).encode()), routing_key=queue_name)
+            await setup.default_exchange.publish(
+                aio_pika.Message(body=str(n).encode()), routing_key=queue_name
+            )
         try:
             connection = await aio_pika.connect(RABBITMQ_URL)
             channel = await connection.channel()

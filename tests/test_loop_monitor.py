@@ -44,7 +44,9 @@ async def _with_monitor(monitor: LoopMonitor, counts: _Counts, stall: Any) -> li
     return [entry for entry in logs if entry["event"] == "event loop stalled"]
 
 
-async def test_a_loop_blocked_in_python_is_a_stall_of_this_process(monitored: tuple[LoopMonitor, _Counts]) -> None:
+async def test_a_loop_blocked_in_python_is_a_stall_of_this_process(
+    monitored: tuple[LoopMonitor, _Counts],
+) -> None:
     monitor, counts = monitored
     stalls = await _with_monitor(monitor, counts, lambda: sum(range(30_000_000)))  # ~0.3+ s of CPU
     assert counts.counts["loop:stalls"] == 1
@@ -55,7 +57,9 @@ async def test_a_loop_blocked_in_python_is_a_stall_of_this_process(monitored: tu
     assert entry["cpu_ms"] > 0.5 * entry["window_ms"]
 
 
-async def test_a_loop_that_waits_is_not_blamed_on_this_process(monitored: tuple[LoopMonitor, _Counts]) -> None:
+async def test_a_loop_that_waits_is_not_blamed_on_this_process(
+    monitored: tuple[LoopMonitor, _Counts],
+) -> None:
     monitor, counts = monitored
     stalls = await _with_monitor(monitor, counts, lambda: time.sleep(0.3))  # a blocking call: no CPU
     (entry,) = stalls
