@@ -24,6 +24,7 @@ class Delivery:
 
     @property
     def headers(self) -> dict[str, Any]:
+        """A copy of the delivery's headers (the caller may change it)."""
         return dict(self._message.header.properties.headers or {})
 
     @property

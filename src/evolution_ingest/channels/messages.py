@@ -211,7 +211,7 @@ class Messages:
     async def _republish(self, queue: str, message: Delivery, target: str, extra: dict[str, Any]) -> None:
         if self.publisher is None:
             raise aio_pika.exceptions.ChannelInvalidStateError("no publish channel")
-        headers: dict[str, Any] = dict(message.headers or {})
+        headers = message.headers  # a copy of the delivery's
         headers.setdefault(HEADER_ORIGIN, queue)
         headers.setdefault(HEADER_ROUTING_KEY, message.routing_key or "")
         headers.update(extra)
