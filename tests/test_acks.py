@@ -26,16 +26,16 @@ async def _has_messages(channel: AbstractChannel, queue: str) -> bool:
     return await depth(channel, queue) > 0
 
 
-async def _consume(
-    count: int, prefetch: int, slow: set[int], slow_seconds: float
-) -> tuple[Acks, list[int], int]:
-    """Publish ``count`` messages, consume them with ``Acks``; the bodies in ``slow`` take long.
+async def _consume(count: int, prefetch: int, slow: set[int]) -> tuple[Acks, list[int], int]:
+    """Publish ``count`` messages, consume them with ``Acks``; the bodies in ``slow`` finish only
+    once all the others have (they never do if the slow ones hold back the prefetch window).
 
     Returns the acks, the order the bodies finished in, and the queue's ready depth after the
     consumer's connection closed (unacknowledged messages go back to it).
     """
     queue_name = f"test-acks-{uuid.uuid4().hex[:8]}"
     finished: list[int] = []
+    others_done = asyncio.Event()
     async with broker(RABBITMQ_URL) as (_, setup):
         await setup.declare_queue(queue_name, durable=False, auto_delete=False)
         for n in range(count):
@@ -50,8 +50,11 @@ async def _consume(
 
             async def handle(message: AbstractIncomingMessage) -> None:
                 n = int(message.body)
-                await asyncio.sleep(slow_seconds if n in slow else 0.001)  # wait-ok: the work of a message
+                if n in slow:
+                    await asyncio.wait_for(others_done.wait(), 20)
                 finished.append(n)
+                if len(finished) == count - len(slow):
+                    others_done.set()
                 assert acks.owns(message)
                 assert message.delivery_tag is not None
                 acks.settled(message.delivery_tag)
@@ -71,7 +74,7 @@ async def _consume(
 
 
 async def test_acks_go_in_batches_and_none_is_lost() -> None:
-    acks, finished, left = await _consume(400, prefetch=64, slow=set(), slow_seconds=0)
+    acks, finished, left = await _consume(400, prefetch=64, slow=set())
     assert sorted(finished) == list(range(400))
     assert acks.acked == 400
     assert left == 0, "messages came back to the queue: their acks never reached the broker"
@@ -81,7 +84,7 @@ async def test_acks_go_in_batches_and_none_is_lost() -> None:
 async def test_a_slow_message_holds_back_neither_the_others_acks_nor_the_prefetch_window() -> None:
     # Prefetch 8: if the slow message (body 3) held back the acks above it, the broker would
     # stop delivering after 8 messages and the other 59 could not finish before it.
-    acks, finished, left = await _consume(60, prefetch=8, slow={3}, slow_seconds=3.0)
+    acks, finished, left = await _consume(60, prefetch=8, slow={3})
     assert finished[-1] == 3, "the others waited for the slow message"
     assert sorted(finished) == list(range(60))
     assert acks.acked == 60

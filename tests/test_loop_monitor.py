@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from typing import Any
 
 import pytest
@@ -61,7 +61,9 @@ async def test_a_loop_that_waits_is_not_blamed_on_this_process(
     monitored: tuple[LoopMonitor, _Counts],
 ) -> None:
     monitor, counts = monitored
-    stalls = await _with_monitor(monitor, counts, lambda: time.sleep(0.3))  # a blocking call: no CPU
+    stalls = await _with_monitor(
+        monitor, counts, lambda: threading.Event().wait(0.3)
+    )  # a blocking call: no CPU
     (entry,) = stalls
     assert entry["lag_ms"] > 100
     assert entry["cause"] == "waiting for a core (or a blocking call)"
