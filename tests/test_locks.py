@@ -47,7 +47,7 @@ async def test_a_lock_expires_unless_renewed_by_its_owner(redis: Redis, uid: str
     assert (await locks.acquire(KEY, "owner", Channel.WEBHOOK)).acquired
     assert await locks.renew(KEY, "owner")
     assert not await locks.renew(KEY, "intruder")
-    ttl_ms = await redis.pttl(f"test:{uid}:lock:{{{KEY}}}")
+    ttl_ms = await redis.pttl(locks.lock_key(KEY))
     assert 0 < ttl_ms <= 300
 
     async def free() -> bool:
@@ -67,7 +67,7 @@ async def test_seen_marks_tell_a_later_copy_what_postgres_committed(redis: Redis
     assert (rabbit_copy.acquired, rabbit_copy.processed, rabbit_copy.recorded) == (False, True, False)
     again = await locks.acquire(KEY, "d", Channel.WEBHOOK)
     assert (again.processed, again.recorded) == (True, True)
-    assert 0 < await redis.pttl(f"test:{uid}:seen:{{{KEY}}}") <= 60_000
+    assert 0 < await redis.pttl(locks.seen_key(KEY)) <= 60_000
 
 
 async def test_a_dead_redis_answers_unavailable_without_raising() -> None:

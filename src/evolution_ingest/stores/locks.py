@@ -11,11 +11,12 @@ never raises for that, and never claims a duplicate that Postgres has not seen:
   is saved and whether business logic completed, so that a later copy can be
   answered without a round trip to Postgres.
 
-Calls from concurrent requests are sent together in one pipeline (one round trip
-for many events). Keys share a hash tag, so the scripts also work on Redis Cluster.
-What this process itself marked is also remembered in memory for a while
-(:class:`RecentlySeen`), so that a copy of an event this process finished — the
-other channel's copy, an Evolution retry — is answered without even asking Redis.
+Locks taken (and released) by concurrent requests go to Redis together: one script call
+for the whole batch, so that the client's cost per command is paid once per batch, not once
+per event. Every key carries the same hash tag, so a batch's keys live in one slot and the
+scripts also run on Redis Cluster. What this process itself marked is also remembered in
+memory for a while (:class:`RecentlySeen`), so that a copy of an event this process finished
+— the other channel's copy, an Evolution retry — is answered without even asking Redis.
 """
 
 from __future__ import annotations
@@ -38,26 +39,41 @@ log = structlog.get_logger(__name__)
 
 #: Field of the seen marker set once business logic completed.
 PROCESSED: Final = "processed"
+#: The hash tag of every lock and seen key: one slot, so that one script may touch a batch's keys.
+HASH_TAG: Final = "{ei}"
 
-# KEYS: lock, seen. ARGV: token, lock ttl ms, channel.
-# Returns {acquired, processed, channel recorded}.
+# KEYS: the lock and seen keys of each event, in pairs. ARGV: lock ttl ms, then the token and
+# channel of each event. One number per event: 1 the lock is taken, 2 processed, 4 a copy from
+# this channel is recorded.
 _ACQUIRE: Final = """
-local seen = redis.call('HMGET', KEYS[2], 'processed', ARGV[3])
-local processed = seen[1] and 1 or 0
-local recorded = seen[2] and 1 or 0
-if processed == 1 then return {0, 1, recorded} end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, 0, recorded} end
-return {0, 0, recorded}
+local ttl = ARGV[1]
+local out = {}
+for i = 1, #KEYS / 2 do
+  local marks = redis.call('HMGET', KEYS[2 * i], 'processed', ARGV[2 * i + 1])
+  local bits = marks[2] and 4 or 0
+  if marks[1] then
+    bits = bits + 2
+  elseif redis.call('SET', KEYS[2 * i - 1], ARGV[2 * i], 'NX', 'PX', ttl) then
+    bits = bits + 1
+  end
+  out[i] = bits
+end
+return out
 """
 
-# KEYS: lock, seen. ARGV: token (may be empty), seen ttl ms, fields to set...
+# KEYS: the lock and seen keys of each event, in pairs. ARGV: seen ttl ms, then the token ('': no
+# lock to release) and the fields to mark (space-separated, '': none) of each event.
 _RELEASE: Final = """
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-if #ARGV > 2 then
-  for i = 3, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], '1') end
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local ttl = ARGV[1]
+for i = 1, #KEYS / 2 do
+  local token, marks = ARGV[2 * i], ARGV[2 * i + 1]
+  if token ~= '' and redis.call('GET', KEYS[2 * i - 1]) == token then redis.call('DEL', KEYS[2 * i - 1]) end
+  if marks ~= '' then
+    for field in string.gmatch(marks, '%S+') do redis.call('HSET', KEYS[2 * i], field, '1') end
+    redis.call('PEXPIRE', KEYS[2 * i], ttl)
+  end
 end
-return 1
+return #KEYS / 2
 """
 
 # KEYS: lock. ARGV: token, ttl ms.
@@ -65,6 +81,10 @@ _RENEW: Final = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+
+_ACQUIRED: Final = 1
+_PROCESSED_BIT: Final = 2
+_RECORDED: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,11 @@ class Probe:
 
 
 UNAVAILABLE: Final = Probe(available=False)
+#: Every answer Redis can give, by the bits of the acquire script (built once, not per copy).
+_ANSWERS: Final = tuple(
+    Probe(True, bool(bits & _ACQUIRED), bool(bits & _PROCESSED_BIT), bool(bits & _RECORDED))
+    for bits in range(8)
+)
 
 
 _BITS: Final = {PROCESSED: 1, Channel.WEBHOOK.value: 2, Channel.RABBITMQ.value: 4, Channel.BACKFILL.value: 8}
@@ -104,7 +129,8 @@ class RecentlySeen:
         self._ttl = ttl
         self._marks: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
-    def _bits(self, dedup_key: str) -> int:
+    def bits(self, dedup_key: str) -> int:
+        """The marks of ``dedup_key`` as bits (see ``_BITS``); 0 when none or expired."""
         entry = self._marks.get(dedup_key)
         if entry is None:
             return 0
@@ -113,12 +139,8 @@ class RecentlySeen:
             return 0
         return entry[1]
 
-    def get(self, dedup_key: str) -> frozenset[str]:
-        bits = self._bits(dedup_key)
-        return frozenset(mark for mark, bit in _BITS.items() if bits & bit)
-
     def add(self, dedup_key: str, marks: Iterable[str]) -> None:
-        bits = self._bits(dedup_key)
+        bits = self.bits(dedup_key)
         for mark in marks:
             bits |= _BITS[mark]
         self._marks[dedup_key] = (time.monotonic() + self._ttl, bits)
@@ -131,29 +153,24 @@ class RecentlySeen:
 
 
 class _Scripts:
-    """Lua scripts run by SHA in pipelines, loaded again if Redis forgot them (a restart)."""
+    """Lua scripts run by SHA, loaded again if Redis forgot them (a restart)."""
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self._sources = {"acquire": _ACQUIRE, "release": _RELEASE, "renew": _RENEW}
         self._sha: dict[str, str] = {}
 
-    async def run(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+    async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         for attempt in (1, 2):
             if len(self._sha) < len(self._sources):
                 for script, source in self._sources.items():
                     self._sha[script] = await self._redis.script_load(source)
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    pipe.evalsha(self._sha[name], len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+            try:
+                return await self._redis.evalsha(self._sha[name], len(keys), *keys, *args)
+            except NoScriptError:
+                if attempt == 2:
+                    raise
                 self._sha.clear()
-                continue
-            for result in results:
-                if isinstance(result, Exception):
-                    raise result
-            return list(results)
         raise AssertionError("unreachable")
 
 
@@ -170,7 +187,8 @@ class RedisLocks:
         retry_after: float = 1.0,
         remember: int = 50_000,
     ) -> None:
-        self._prefix = prefix
+        self._lock_prefix = f"{prefix}lock:{HASH_TAG}:"
+        self._seen_prefix = f"{prefix}seen:{HASH_TAG}:"
         #: Marks this process set; bounded, so memory stays flat however long it runs.
         self.recent = RecentlySeen(capacity=remember, ttl=seen_ttl)
         self._lock_ttl_ms = max(1, int(lock_ttl * 1000))
@@ -178,20 +196,36 @@ class RedisLocks:
         self._retry_after = retry_after
         self._down_until = 0.0
         self._scripts = _Scripts(redis)
-        self._acquires: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
-            lambda calls: self._scripts.run("acquire", calls), max_concurrency=1
-        )
-        self._releases: Batcher[tuple[list[str], list[Any]], Any] = Batcher(
-            lambda calls: self._scripts.run("release", calls), max_concurrency=1
-        )
+        # One script call per batch; while it runs, the next batch gathers.
+        self._acquires: Batcher[tuple[str, str, str], int] = Batcher(self._acquire_batch, max_concurrency=1)
+        self._releases: Batcher[tuple[str, str, str], None] = Batcher(self._release_batch, max_concurrency=1)
 
     @property
     def lock_ttl(self) -> float:
         return self._lock_ttl_ms / 1000
 
-    def _keys(self, dedup_key: str) -> list[str]:
-        tag = "{" + dedup_key + "}"
-        return [f"{self._prefix}lock:{tag}", f"{self._prefix}seen:{tag}"]
+    def lock_key(self, dedup_key: str) -> str:
+        return self._lock_prefix + dedup_key
+
+    def seen_key(self, dedup_key: str) -> str:
+        return self._seen_prefix + dedup_key
+
+    async def _acquire_batch(self, calls: list[tuple[str, str, str]]) -> list[int]:
+        keys: list[str] = []
+        args: list[Any] = [self._lock_ttl_ms]
+        for dedup_key, token, channel in calls:
+            keys += (self._lock_prefix + dedup_key, self._seen_prefix + dedup_key)
+            args += (token, channel)
+        return list(await self._scripts.run("acquire", keys, args))
+
+    async def _release_batch(self, calls: list[tuple[str, str, str]]) -> list[None]:
+        keys: list[str] = []
+        args: list[Any] = [self._seen_ttl_ms]
+        for dedup_key, token, marks in calls:
+            keys += (self._lock_prefix + dedup_key, self._seen_prefix + dedup_key)
+            args += (token, marks)
+        await self._scripts.run("release", keys, args)
+        return [None] * len(calls)
 
     def _skip(self) -> bool:
         return time.monotonic() < self._down_until
@@ -204,18 +238,18 @@ class RedisLocks:
     async def acquire(self, dedup_key: str, token: str, channel: Channel | None) -> Probe:
         """Try to take the lock; also read the seen marker.
 
-        ``channel`` is the channel of the copy (None for the reconciler and replays).
+        ``channel`` is the channel of the copy (None for the reconciler and replays). An event
+        this process saw processed is answered from memory, without Redis.
         """
-        known = self.recent.get(dedup_key)
-        if PROCESSED in known and (channel is None or channel.value in known):
-            return Probe(True, processed=True, recorded=True)
+        known = self.recent.bits(dedup_key)
+        if known & _BITS[PROCESSED]:
+            recorded = channel is None or bool(known & _BITS[channel.value])
+            return _ANSWERS[_PROCESSED_BIT | (_RECORDED if recorded else 0)]
         if self._skip():
             return UNAVAILABLE
-        taking = self._acquires.submit(
-            (self._keys(dedup_key), [token, self._lock_ttl_ms, channel.value if channel else "-"])
-        )
+        taking = self._acquires.submit((dedup_key, token, channel.value if channel else "-"))
         try:
-            acquired, processed, recorded = await asyncio.shield(taking)
+            bits = await asyncio.shield(taking)
         except asyncio.CancelledError:
             # The caller is gone (a worker whose broker connection died) but the batch still runs:
             # if it takes the lock, give it back at once instead of holding it for the TTL.
@@ -224,21 +258,19 @@ class RedisLocks:
         except (RedisError, OSError) as exc:
             self._failed("acquire", exc)
             return UNAVAILABLE
-        return Probe(True, bool(acquired), bool(processed), bool(recorded))
+        return _ANSWERS[bits]
 
-    def _give_back(self, dedup_key: str, token: str, taking: asyncio.Future[Any]) -> None:
-        if not taking.cancelled() and taking.exception() is None and taking.result()[0]:
+    def _give_back(self, dedup_key: str, token: str, taking: asyncio.Future[int]) -> None:
+        if not taking.cancelled() and taking.exception() is None and taking.result() & _ACQUIRED:
             self.release_soon(dedup_key, token)
 
     async def release(self, dedup_key: str, token: str | None, marks: Iterable[str] = ()) -> None:
         """Release the lock if ``token`` still owns it, and set seen marks (committed facts only)."""
-        fields = list(marks)
-        if fields:
-            self.recent.add(dedup_key, fields)
-        if (token is None and not fields) or self._skip():
+        future = self._release(dedup_key, token, marks)
+        if future is None:
             return
         try:
-            await self._releases((self._keys(dedup_key), [token or "", self._seen_ttl_ms, *fields]))
+            await future
         except (RedisError, OSError) as exc:
             self._failed("release", exc)
 
@@ -248,15 +280,21 @@ class RedisLocks:
         The marks are remembered in this process at once; if the process dies before Redis
         has them, the lock expires with its TTL and Postgres still knows everything.
         """
-        fields = list(marks)
-        if fields:
-            self.recent.add(dedup_key, fields)
-        if (token is None and not fields) or self._skip():
-            return
-        future = self._releases.submit((self._keys(dedup_key), [token or "", self._seen_ttl_ms, *fields]))
-        future.add_done_callback(self._released)
+        future = self._release(dedup_key, token, marks)
+        if future is not None:
+            future.add_done_callback(self._released)
 
-    def _released(self, future: asyncio.Future[Any]) -> None:
+    def _release(
+        self, dedup_key: str, token: str | None, marks: Iterable[str]
+    ) -> asyncio.Future[None] | None:
+        fields = " ".join(marks)
+        if fields:
+            self.recent.add(dedup_key, fields.split(" "))
+        if (token is None and not fields) or self._skip():
+            return None
+        return self._releases.submit((dedup_key, token or "", fields))
+
+    def _released(self, future: asyncio.Future[None]) -> None:
         if future.cancelled():
             return
         exc = future.exception()
@@ -274,8 +312,8 @@ class RedisLocks:
         if self._skip():
             return False
         try:
-            (renewed,) = await self._scripts.run(
-                "renew", [(self._keys(dedup_key)[:1], [token, self._lock_ttl_ms])]
+            renewed = await self._scripts.run(
+                "renew", [self._lock_prefix + dedup_key], [token, self._lock_ttl_ms]
             )
         except (RedisError, OSError) as exc:
             self._failed("renew", exc)
