@@ -1,10 +1,12 @@
 """Group commit: many concurrent requests carried out as one statement, each caller awaiting its own answer.
 
-There is no timer. A request starts a batch at once when fewer than
-``max_concurrency`` batches are running; otherwise it waits and joins the next
-batch, which takes everything waiting when a running one finishes. Under light
-load each request is its own batch (no added latency); under heavy load batches
-grow by themselves and one commit serves many events.
+There is no timer. A request starts a batch when fewer than ``max_concurrency``
+batches are running; the batch takes what is waiting when its task first runs — at
+the next turn of the event loop — so every request submitted in the meantime (the
+rest of this turn: all the calls whose bytes arrived together) rides in it. Otherwise
+a request waits and joins the next batch, which takes everything waiting when a
+running one finishes. Under light load each request is its own batch (no added
+latency); under heavy load batches grow by themselves and one commit serves many events.
 
 With a ``key``, a batch never holds two requests with the same key (a statement
 cannot update one row twice); a request whose key is already in the batch waits
@@ -45,6 +47,8 @@ class Batcher(Generic[T, R]):
         self._max_concurrency = max_concurrency
         self._waiting: deque[tuple[T, asyncio.Future[R]]] = deque()
         self._running = 0
+        #: A batch's task started but not yet run: it will take what is waiting.
+        self._pending: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: Sizes of the batches run so far (for tests and benchmarks).
         self.batches = 0
@@ -63,12 +67,19 @@ class Batcher(Generic[T, R]):
         return future
 
     def _start(self) -> None:
-        while self._waiting and self._running < self._max_concurrency:
-            batch = self._take()
+        if self._waiting and self._pending is None and self._running < self._max_concurrency:
             self._running += 1
-            task = asyncio.create_task(self._run(batch))
+            task = asyncio.create_task(self._run())
+            self._pending = task
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._pending is task:  # cancelled before it ran: another one takes what waits
+            self._pending = None
+        self._running -= 1
+        self._start()
 
     def _take(self) -> list[tuple[T, asyncio.Future[R]]]:
         batch: list[tuple[T, asyncio.Future[R]]] = []
@@ -87,12 +98,16 @@ class Batcher(Generic[T, R]):
         self._waiting.extendleft(reversed(later))
         return batch
 
-    async def _run(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+    async def _run(self) -> None:
+        self._pending = None
+        batch = self._take()
+        self._start()  # what this batch could not take (its size, a repeated key) may go at once
+        if not batch:
+            return
+        self.batches += 1
+        self.items += len(batch)
         try:
-            if batch:
-                self.batches += 1
-                self.items += len(batch)
-                await self._settle(batch)
+            await self._settle(batch)
         except BaseException as exc:  # cancelled while running: nobody may wait forever
             for _, future in batch:
                 if not future.done():
@@ -100,9 +115,6 @@ class Batcher(Generic[T, R]):
                         asyncio.CancelledError() if isinstance(exc, asyncio.CancelledError) else exc
                     )
             raise
-        finally:
-            self._running -= 1
-            self._start()
 
     async def _settle(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
         try:
