@@ -34,6 +34,7 @@ same bytes, and hashing every copy of every event is on the hot path (see
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ class InvalidEvent(ValueError):
         self.code = code
 
 
+@functools.lru_cache(maxsize=1024)
 def normalize_event_name(name: str) -> str:
     """``MESSAGES_UPSERT`` or ``Messages.Upsert`` -> ``messages.upsert``."""
     stripped = name.strip()

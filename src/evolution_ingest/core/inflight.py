@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import functools
+from types import TracebackType
 
 import structlog
 
@@ -17,10 +16,31 @@ from evolution_ingest.stores.postgres import StoreUnavailable
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
 class Work:
-    #: Business logic completed (``processed_at`` committed) while this process held the event.
-    processed: bool = False
+    """This process holds one event (its lock or claim) from ``with`` to its end."""
+
+    __slots__ = ("_key", "_mine", "_running", "processed", "waiter")
+
+    def __init__(self, running: dict[str, Work], key: str) -> None:
+        self._running = running
+        self._key = key
+        self._mine = False
+        #: Business logic completed (``processed_at`` committed) while this process held the event.
+        self.processed = False
+        #: Created when another copy waits for this one (rare): its result is ``processed``.
+        self.waiter: asyncio.Future[bool] | None = None
+
+    def __enter__(self) -> Work:
+        self._mine = self._running.setdefault(self._key, self) is self
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._mine:
+            del self._running[self._key]
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(self.processed)
 
 
 class InFlight:
@@ -30,49 +50,43 @@ class InFlight:
         self._inbox = inbox
         self._locks = locks
         self._busy_wait = busy_wait_seconds
-        #: Events whose business logic runs in this process: True once processed.
-        self._running: dict[str, asyncio.Future[bool]] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        #: Events whose business logic runs in this process.
+        self._running: dict[str, Work] = {}
 
-    @contextmanager
-    def working(self, key: str) -> Iterator[Work]:
-        """This process holds the event (lock or claim) from here: copies arriving meanwhile may wait."""
-        work = Work()
-        finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        mine = self._running.setdefault(key, finished) is finished
-        try:
-            yield work
-        finally:
-            if mine:
-                del self._running[key]
-                finished.set_result(work.processed)
+    def working(self, key: str) -> Work:
+        """``with working(key) as work``: this process holds the event; copies arriving meanwhile may wait."""
+        return Work(self._running, key)
 
     async def finished_here(self, key: str) -> bool:
         """If this process is running the event's business logic, wait for it: True once processed."""
-        running = self._running.get(key)
-        if running is None:
+        work = self._running.get(key)
+        if work is None:
             return False
+        if work.waiter is None:
+            work.waiter = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(running), self._busy_wait)
+            return await asyncio.wait_for(asyncio.shield(work.waiter), self._busy_wait)
         except TimeoutError:
             return False
 
     def note_seen(self, key: str, channel: Channel, probe: Probe) -> None:
-        """A copy of a processed event came by ``channel``: note it in the inbox, in the background."""
+        """A copy of a processed event came by ``channel``: note it in the inbox, in the background,
+        then in Redis (a committed fact only)."""
         if probe.recorded:
             return
+        noted = self._inbox.record_seen_soon(key, channel)
+        noted.add_done_callback(functools.partial(self._noted, key, channel))
 
-        async def note() -> None:
-            try:
-                await self._inbox.record_seen(key, channel)
-                await self._locks.release(key, None, [channel.value])
-            except StoreUnavailable as exc:
-                log.info("channel not recorded for a processed event", dedup_key=key, error=str(exc))
-
-        task = asyncio.create_task(note())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _noted(self, key: str, channel: Channel, noted: asyncio.Future[None]) -> None:
+        if noted.cancelled():
+            return
+        exc = noted.exception()
+        if exc is None:
+            self._locks.release_soon(key, None, [channel.value])
+        elif isinstance(exc, StoreUnavailable):
+            log.info("channel not recorded for a processed event", dedup_key=key, error=str(exc))
+        else:
+            log.error("channel not recorded for a processed event", dedup_key=key, error=repr(exc))
 
     async def drain(self) -> None:
-        if self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Nothing of its own to wait for: the stores drain their batches (see ``Ingestion.drain``)."""

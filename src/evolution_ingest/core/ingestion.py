@@ -16,7 +16,6 @@ What each request asks is in :mod:`evolution_ingest.core.contract`. Rules kept h
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, tzinfo
 from typing import Final
 
@@ -58,8 +57,11 @@ _SKIPPED: Final = {
 }
 
 
+_PREFIXES: Final = {channel: channel.value.lower() for channel in Channel}
+
+
 def _prefix(channel: Channel) -> str:
-    return channel.value.lower()
+    return _PREFIXES[channel]
 
 
 def _marks(channel: Channel, processed: bool) -> list[str]:
@@ -121,9 +123,13 @@ class Ingestion:
         try:
             match request:
                 case Receive(envelope, channel):
-                    return await self._receive(await self._legacy.resolve(envelope), channel)
+                    if self._legacy.applies(envelope):
+                        envelope = await self._legacy.resolve(envelope)
+                    return await self._receive(envelope, channel)
                 case Relay(envelope, channel):
-                    return await self._relay(await self._legacy.resolve(envelope), channel)
+                    if self._legacy.applies(envelope):
+                        envelope = await self._legacy.resolve(envelope)
+                    return await self._relay(envelope, channel)
                 case RunSaved(envelope):
                     return await self._run_saved(envelope)
                 case Resend(event, give_up):
@@ -137,18 +143,18 @@ class Ingestion:
     async def _receive(self, envelope: Envelope, channel: Channel) -> Result:
         name, key = _prefix(channel), envelope.dedup_key
         self._delivered(name, envelope)
-        token = uuid.uuid4()
-        probe = await self._probe(name, key, str(token), channel)
+        claim = Claim.new(self.locks.lock_ttl)
+        probe = await self._probe(name, key, claim.token.hex, channel)
         if probe.processed:
             self._inflight.note_seen(key, channel, probe)
             return self._skip(name, Outcome.DUPLICATE, key)
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
 
-        return await self._save_and_run(envelope, channel, probe, token, here=False)
+        return await self._save_and_run(envelope, channel, probe, claim, here=False)
 
     async def _save_and_run(
-        self, envelope: Envelope, channel: Channel, probe: Probe, token: uuid.UUID, *, here: bool
+        self, envelope: Envelope, channel: Channel, probe: Probe, claim: Claim, *, here: bool
     ) -> Result:
         """Save the copy and claim its row in one statement, then run the business logic.
 
@@ -158,8 +164,7 @@ class Ingestion:
         """
         name, key = _prefix(channel), envelope.dedup_key
         # The lock is ours, or Redis is unavailable: the Postgres claim decides.
-        lock_token = str(token) if probe.acquired else None
-        claim = Claim(token, self.locks.lock_ttl)
+        lock_token = claim.token.hex if probe.acquired else None
         marks: list[str] = []
         with self._inflight.working(key) as work:
             try:
@@ -197,8 +202,8 @@ class Ingestion:
     async def _relay(self, envelope: Envelope, channel: Channel) -> Result:
         name, key = _prefix(channel), envelope.dedup_key
         self._delivered(name, envelope)
-        token = uuid.uuid4()
-        probe = await self._probe(name, key, str(token), channel)
+        claim = Claim.new(self.locks.lock_ttl)
+        probe = await self._probe(name, key, claim.token.hex, channel)
         if probe.busy and await self._inflight.finished_here(key):
             probe = Probe(True, processed=True, recorded=probe.recorded)
         if probe.processed:
@@ -207,9 +212,9 @@ class Ingestion:
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
         if self._forwarding and self._forwarder is None:
-            return await self._save_and_run(envelope, channel, probe, token, here=True)
+            return await self._save_and_run(envelope, channel, probe, claim, here=True)
 
-        lock_token = str(token) if probe.acquired else None
+        lock_token = claim.token.hex if probe.acquired else None
         marks: list[str] = []
         renewal: Lease | None = None
         with self._inflight.working(key) as work:
@@ -219,7 +224,7 @@ class Ingestion:
                 if row.processed:
                     return self._skip(name, Outcome.DUPLICATE, key, row)
                 if lock_token is not None:  # the lock is renewed while the forward runs
-                    renewal = self._runner.lease(key, None, Claim(token, self.locks.lock_ttl), lock_token)
+                    renewal = self._runner.lease(key, None, claim, lock_token)
                 result = await self._forward(name, envelope)
                 if result.done:
                     work.processed = True

@@ -30,11 +30,16 @@ class LegacyKeys:
             self._until = since.timestamp() + self._compat if since is not None else 0.0
         return self._until
 
+    def applies(self, envelope: Envelope) -> bool:
+        """Whether :meth:`resolve` may change ``envelope`` (False for nearly every copy, at no cost)."""
+        return self._until != 0.0 and envelope.event in SINGLE_MESSAGE_EVENTS
+
     async def resolve(self, envelope: Envelope) -> Envelope:
         """``envelope``, with the key of its version-1 row when there is one (see above)."""
-        if envelope.event not in SINGLE_MESSAGE_EVENTS or self._until == 0.0:
+        if not self.applies(envelope):
             return envelope
         if time.time() >= await self._window():
+            self._until = 0.0  # the window has passed: never look again
             return envelope
         legacy = legacy_dedup_key(envelope.event, envelope.instance, envelope.data, envelope.date_time)
         if legacy != envelope.dedup_key and await self._inbox.exists(legacy):

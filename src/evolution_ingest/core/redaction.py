@@ -50,6 +50,8 @@ class Redactor:
         #: Secrets of this service (webhook token, JWT key, internal secret) looked for in URLs.
         self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
         self._keep_apikey = keep_apikey
+        #: Redacted destinations: every body of an instance carries the same one.
+        self._destinations: dict[str, str] = {}
 
     def url(self, url: str) -> str:
         """A URL without its token segment, query values, password or fragment."""
@@ -70,7 +72,11 @@ class Redactor:
         changes: dict[str, Any] = {}
         destination = body.get("destination")
         if isinstance(destination, str):
-            clean = self.url(destination)
+            clean = self._destinations.get(destination)
+            if clean is None:
+                if len(self._destinations) >= 1024:  # bounded, whatever callers send
+                    self._destinations.clear()
+                clean = self._destinations[destination] = self.url(destination)
             if clean != destination:
                 changes["destination"] = clean
         elif destination is not None:

@@ -11,7 +11,7 @@ import structlog
 from evolution_ingest.core.contract import Outcome, Result
 from evolution_ingest.core.events import Event
 from evolution_ingest.core.identity import Envelope
-from evolution_ingest.core.lease import Lease
+from evolution_ingest.core.lease import Lease, Leases
 from evolution_ingest.core.pipeline import HandlerPipeline
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.inbox import Claim, PostgresInbox, SavedRow
@@ -38,13 +38,11 @@ class Runner:
         self._pipeline = pipeline
         self._counters = counters
         self._evolution_tz = evolution_timezone
+        self._leases = Leases(inbox=inbox, locks=locks, counters=counters, lease_seconds=locks.lock_ttl)
 
     def lease(self, key: str, row_id: int | None, claim: Claim, lock_token: str | None) -> Lease:
         """Keeps the claim (and the Redis lock) alive while work on the event goes on."""
-        return Lease(
-            inbox=self._inbox, locks=self._locks, counters=self._counters,
-            dedup_key=key, row_id=row_id, claim=claim, lock_token=lock_token,
-        )  # fmt: skip
+        return self._leases.hold(key, row_id, claim, lock_token)
 
     async def run(
         self, envelope: Envelope, row: SavedRow, claim: Claim, name: str, lock_token: str | None

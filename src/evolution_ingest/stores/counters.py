@@ -62,6 +62,10 @@ class Counters:
         self._last_seen: dict[str, float] = {}
         self._paths: dict[str, float] = {}
         self._redis_down = False
+        # Names built once, not per event.
+        self._histograms: dict[str, tuple[str, ...]] = {}
+        self._rate_names: dict[str, tuple[int, str]] = {}
+        self._seen_names: dict[tuple[str, str], str] = {}
 
     @property
     def prefix(self) -> str:
@@ -76,17 +80,34 @@ class Counters:
         Buckets are kept as plain counters (``hist:<name>:<bucket>``, not cumulative),
         with ``:count`` and ``:sum_us`` beside them.
         """
+        names = self._histograms.get(histogram) or self._histogram(histogram)
         seconds = max(seconds, 0.0)
         pending = self._pending
-        pending[f"hist:{histogram}:{bucket_label(bisect.bisect_left(BUCKETS, seconds))}"] += 1
-        pending[f"hist:{histogram}:count"] += 1
-        pending[f"hist:{histogram}:sum_us"] += round(seconds * 1_000_000)
+        pending[names[bisect.bisect_left(BUCKETS, seconds)]] += 1
+        pending[names[-2]] += 1
+        pending[names[-1]] += round(seconds * 1_000_000)
+
+    def _histogram(self, histogram: str) -> tuple[str, ...]:
+        """The counter names of ``histogram``: one per bucket, then ``:count`` and ``:sum_us``."""
+        buckets = [f"hist:{histogram}:{bucket_label(i)}" for i in range(len(BUCKETS) + 1)]
+        names = (*buckets, f"hist:{histogram}:count", f"hist:{histogram}:sum_us")
+        self._histograms[histogram] = names
+        return names
 
     def delivered(self, channel: str, instance: str) -> None:
         """A channel delivered an event of ``instance``: per-minute rates and last-seen times."""
         now = time.time()
-        self._rates[f"rate:{channel}:{int(now // 60) * 60}"] += 1
-        self._last_seen[f"{instance}\t{channel}"] = round(now, 3)
+        minute = int(now // 60) * 60
+        rate = self._rate_names.get(channel)
+        if rate is None or rate[0] != minute:
+            rate = self._rate_names[channel] = (minute, f"rate:{channel}:{minute}")
+        self._rates[rate[1]] += 1
+        seen = self._seen_names.get((instance, channel))
+        if seen is None:
+            if len(self._seen_names) > 10_000:  # bounded: instances come and go
+                self._seen_names.clear()
+            seen = self._seen_names[(instance, channel)] = f"{instance}\t{channel}"
+        self._last_seen[seen] = round(now, 3)
 
     def webhook_path(self, instance: str, path: str) -> None:
         """A webhook call of ``instance`` came through Evolution's ``instance`` or ``global`` webhook."""

@@ -10,6 +10,9 @@ lease) is what keeps business logic to once per event when Redis cannot help.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,6 +47,26 @@ log = structlog.get_logger(__name__)
 __all__ = ["BODIES", "TABLE", "VIEW", "Claim", "PostgresInbox", "SavedRow"]
 
 _MAX_ERROR_CHARS: Final = 4000
+_CHANNELS: Final = {channel.value: channel for channel in Channel}
+
+
+class _Tokens:
+    """Claim tokens unique across processes without a system call each: a random 64-bit prefix of
+    this process (drawn again in a forked child) and a counter."""
+
+    def __init__(self) -> None:
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._prefix = int.from_bytes(os.urandom(8), "big") << 64
+        self._counter = itertools.count(1)
+
+    def next(self) -> uuid.UUID:
+        return uuid.UUID(int=self._prefix | next(self._counter))
+
+
+_TOKENS: Final = _Tokens()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +78,7 @@ class Claim:
 
     @classmethod
     def new(cls, lease_seconds: float) -> Claim:
-        return cls(uuid.uuid4(), lease_seconds)
+        return cls(_TOKENS.next(), lease_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +111,7 @@ class _Seen:
 def _row(record: asyncpg.Record, token: uuid.UUID | None) -> SavedRow:
     return SavedRow(
         id=record["id"],
-        channel=Channel(record["channel"]),
+        channel=_CHANNELS[record["channel"]],
         received_at=record["received_at"],
         attempts=record["attempts"],
         processed=record["processed"],
@@ -207,7 +230,11 @@ class PostgresInbox:
 
     async def record_seen(self, dedup_key: str, channel: Channel) -> None:
         """Note that ``channel`` delivered a copy of an event already processed (bookkeeping only)."""
-        await self._seen(_Seen(dedup_key, channel))
+        await self.record_seen_soon(dedup_key, channel)
+
+    def record_seen_soon(self, dedup_key: str, channel: Channel) -> asyncio.Future[None]:
+        """:meth:`record_seen` without waiting: the future says when it is committed (or why not)."""
+        return self._seen.submit(_Seen(dedup_key, channel))
 
     async def _seen_batch(self, seen: list[_Seen]) -> list[None]:
         for channel, statement in SEEN.items():  # a backfilled copy has no column of its own
