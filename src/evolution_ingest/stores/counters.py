@@ -62,6 +62,9 @@ class Counters:
         self._last_seen: dict[str, float] = {}
         self._paths: dict[str, float] = {}
         self._redis_down = False
+        #: A read and a flush never interleave: a read between a flush's swap and its write would
+        #: find the increments in neither place.
+        self._exclusive = asyncio.Lock()
         # Names built once, not per event.
         self._histograms: dict[str, tuple[str, ...]] = {}
         self._rate_names: dict[str, tuple[int, str]] = {}
@@ -120,6 +123,10 @@ class Counters:
 
     async def flush(self) -> bool:
         """Send what is pending; True when Redis took it (or nothing was pending)."""
+        async with self._exclusive:
+            return await self._flush()
+
+    async def _flush(self) -> bool:
         if not (self._pending or self._rates or self._last_seen or self._paths):
             return True
         batch, self._pending = self._pending, Counter()
@@ -163,6 +170,10 @@ class Counters:
 
     async def read(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """Current values from Redis (pending increments of this process included)."""
+        async with self._exclusive:
+            return await self._read(names)
+
+    async def _read(self, names: Iterable[str] | None) -> dict[str, int]:
         if names is None:
             keys = [key async for key in self._redis.scan_iter(match=self._prefix + "*", count=500)]
             names_found = (k.decode() if isinstance(k, bytes) else k for k in keys)
@@ -189,14 +200,16 @@ class Counters:
 
     async def read_last_seen(self) -> dict[str, dict[str, float]]:
         """Per instance, per channel: when it last delivered (Unix time)."""
-        return await self._read_times(LAST_SEEN, self._last_seen)
+        return await self._read_times(LAST_SEEN)
 
     async def read_webhook_paths(self) -> dict[str, dict[str, float]]:
         """Per instance, per webhook of Evolution (``instance``, ``global``): when it last called."""
-        return await self._read_times(WEBHOOK_PATHS, self._paths)
+        return await self._read_times(WEBHOOK_PATHS)
 
-    async def _read_times(self, key: str, pending: dict[str, float]) -> dict[str, dict[str, float]]:
-        raw = await self._redis.hgetall(self._prefix + key)
+    async def _read_times(self, key: str) -> dict[str, dict[str, float]]:
+        async with self._exclusive:
+            raw = await self._redis.hgetall(self._prefix + key)
+            pending = dict(self._last_seen if key == LAST_SEEN else self._paths)
         seen: dict[str, dict[str, float]] = {}
         for field, value in raw.items():
             name = field.decode() if isinstance(field, bytes) else field
