@@ -1,4 +1,4 @@
-"""Batched acknowledgements (channels/acks.py) against the real RabbitMQ."""
+"""Batched acknowledgements (channels/acks.py) on the worker's consumer, against the real RabbitMQ."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import asyncio
 import uuid
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 
 from evolution_ingest.channels.acks import Acks
+from evolution_ingest.channels.consumer import Consumer
+from evolution_ingest.channels.delivery import Delivery
 from tests.conftest import RABBITMQ_URL
 from tests.support import eventually, wait_until
 from tests.support.evolution import broker, depth
@@ -43,12 +45,12 @@ async def _consume(count: int, prefetch: int, slow: set[int]) -> tuple[Acks, lis
                 aio_pika.Message(body=str(n).encode()), routing_key=queue_name
             )
         try:
-            connection = await aio_pika.connect(RABBITMQ_URL)
-            channel = await connection.channel()
-            await channel.set_qos(prefetch_count=prefetch)
-            acks = Acks(await channel.get_underlay_channel(), _Counts(), hold=0.2)  # type: ignore[arg-type]
+            consumer = await Consumer.open(RABBITMQ_URL, prefetch=prefetch, name="test-acks")
+            assert consumer.channel is not None
+            acks = Acks(consumer.channel, _Counts(), hold=0.2)  # type: ignore[arg-type]
+            tasks: set[asyncio.Task[None]] = set()
 
-            async def handle(message: AbstractIncomingMessage) -> None:
+            async def handle(message: Delivery) -> None:
                 n = int(message.body)
                 if n in slow:
                     await asyncio.wait_for(others_done.wait(), 20)
@@ -59,12 +61,16 @@ async def _consume(count: int, prefetch: int, slow: set[int]) -> tuple[Acks, lis
                 assert message.delivery_tag is not None
                 acks.settled(message.delivery_tag)
 
-            queue = await channel.get_queue(queue_name, ensure=False)
-            await queue.consume(handle)
+            def delivered(message: Delivery) -> None:
+                task = asyncio.create_task(handle(message))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+            await consumer.consume(queue_name, delivered)
             await wait_until(lambda: len(finished) == count, within=30, message="every message handled")
             await acks.flush()
-            assert not channel.is_closed, "an acknowledgement closed the channel"
-            await connection.close()
+            assert consumer.channel.is_open, "an acknowledgement closed the channel"
+            await consumer.close()
             # Unacknowledged messages go back to the queue as the channel closes: give them time.
             await eventually(lambda: _has_messages(setup, queue_name), within=0.5)
             left = await depth(setup, queue_name)

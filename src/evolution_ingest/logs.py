@@ -72,3 +72,5 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bo
     logging.captureWarnings(True)
     # Per-request lines of the ASGI server would duplicate ours.
     logging.getLogger("uvicorn.access").disabled = True
+    # pika narrates every step of a connection at INFO; the worker logs what matters itself.
+    logging.getLogger("pika").setLevel(max(numeric_level, logging.WARNING))

@@ -10,7 +10,8 @@ alone: a slow message never holds back the others' acks, nor fills the prefetch 
 
 An ack that does not reach the broker (the channel closed) loses nothing: the broker
 redelivers the message, and its copy is a duplicate. Before a stopping worker closes the
-channel, :meth:`Acks.flush` sends every ack still held.
+channel, :meth:`Acks.flush` sends every ack still held. Sending one is writing a frame
+(pika's ``basic_ack``): nothing to wait for.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import time
 from typing import Final
 
-import aiormq
+import pika.channel
 import structlog
 
 from evolution_ingest.channels.delivery import Delivery
@@ -33,9 +34,7 @@ HOLD_SECONDS: Final = 0.2
 
 
 class Acks:
-    def __init__(
-        self, channel: aiormq.abc.AbstractChannel, counters: Counters, *, hold: float = HOLD_SECONDS
-    ):
+    def __init__(self, channel: pika.channel.Channel, counters: Counters, *, hold: float = HOLD_SECONDS):
         self._channel = channel
         self._counters = counters
         self._hold = hold
@@ -47,18 +46,13 @@ class Acks:
         self._alone: set[int] = set()
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self._sending: set[asyncio.Task[None]] = set()
         #: Frames sent, and deliveries they acknowledged (tests and benchmarks read them).
         self.frames = 0
         self.acked = 0
 
     def owns(self, message: Delivery) -> bool:
         """Whether ``message`` came on this channel (not on one closed since)."""
-        return (
-            message.channel is self._channel
-            and not self._channel.is_closed
-            and message.delivery_tag is not None
-        )
+        return message.channel is self._channel and self._channel.is_open and message.delivery_tag is not None
 
     def settled(self, tag: int) -> None:
         """The message with ``tag`` is settled (done, or republished and confirmed): ack it soon."""
@@ -70,9 +64,7 @@ class Acks:
     def _flush(self) -> None:
         self._scheduled = False
         for frame in self._frames(time.monotonic() - self._hold):
-            task = asyncio.create_task(self._send(*frame))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self._send(*frame)
         if self._settled and self._timer is None:  # some wait above a delivery still in flight
             self._timer = asyncio.get_running_loop().call_later(self._hold, self._late)
 
@@ -99,9 +91,9 @@ class Acks:
                 frames.append((tag, False, 1))
         return frames
 
-    async def _send(self, tag: int, multiple: bool, count: int) -> None:
+    def _send(self, tag: int, multiple: bool, count: int) -> None:
         try:
-            await self._channel.basic_ack(tag, multiple=multiple)
+            self._channel.basic_ack(tag, multiple=multiple)
         except (*BROKER_ERRORS, RuntimeError) as exc:
             self._counters.incr("rabbitmq:settle_failed", count)
             log.warning("acknowledgement not sent; RabbitMQ will redeliver", error=repr(exc), messages=count)
@@ -110,12 +102,10 @@ class Acks:
         self.acked += count
 
     async def flush(self) -> None:
-        """Send every ack still held and wait for them (before the channel closes)."""
+        """Send every ack still held (before the channel closes)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._scheduled = False
         for frame in self._frames(float("inf")):
-            await self._send(*frame)
-        if self._sending:
-            await asyncio.gather(*list(self._sending), return_exceptions=True)
+            self._send(*frame)

@@ -1,50 +1,52 @@
-"""One RabbitMQ delivery as the worker reads it: a thin view of aiormq's delivered message.
-
-The worker consumes on aiormq's channel directly: each delivery runs as the one task aiormq
-makes for it, without a second task and a full message object per delivery (what a consumer
-registered through aio-pika's queue costs).
-"""
+"""One RabbitMQ delivery as the worker reads it: a thin view of what pika hands the consumer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from aiormq.abc import AbstractChannel, DeliveredMessage
+import pika.channel
+import pika.spec
 
 
 class Delivery:
-    __slots__ = ("_message",)
+    __slots__ = ("_method", "_properties", "body", "channel")
 
-    def __init__(self, message: DeliveredMessage) -> None:
-        self._message = message
-
-    @property
-    def body(self) -> bytes:
-        return self._message.body
+    def __init__(
+        self,
+        channel: pika.channel.Channel,
+        method: pika.spec.Basic.Deliver,
+        properties: pika.spec.BasicProperties,
+        body: bytes,
+    ) -> None:
+        #: The channel it came on: only that channel can acknowledge it.
+        self.channel = channel
+        self._method = method
+        self._properties = properties
+        self.body = body
 
     @property
     def headers(self) -> dict[str, Any]:
         """A copy of the delivery's headers (the caller may change it)."""
-        return dict(self._message.header.properties.headers or {})
+        return dict(self._properties.headers or {})
 
+    # pika's frame attributes are untyped: each is given its type here, once.
     @property
     def content_type(self) -> str | None:
-        return self._message.header.properties.content_type
+        value: str | None = self._properties.content_type
+        return value
 
     @property
     def routing_key(self) -> str | None:
-        return self._message.routing_key
+        value: str | None = self._method.routing_key
+        return value
 
     @property
     def delivery_tag(self) -> int | None:
-        return self._message.delivery_tag
-
-    @property
-    def channel(self) -> AbstractChannel:
-        return self._message.channel
+        value: int | None = self._method.delivery_tag
+        return value
 
     async def ack(self) -> None:
         """Acknowledge this delivery alone, now (raises when its channel is closed)."""
         tag = self.delivery_tag
         assert tag is not None
-        await self._message.channel.basic_ack(tag)
+        self.channel.basic_ack(tag)

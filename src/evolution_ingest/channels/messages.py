@@ -22,6 +22,7 @@ service's own header, not ``x-death``.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,6 +42,7 @@ from evolution_ingest.core.identity import Envelope, InvalidEvent
 from evolution_ingest.core.ingestion import Ingestion
 from evolution_ingest.stores.postgres import StoreUnavailable
 from evolution_ingest.stores.queues import (
+    BROKER_ERRORS,
     HEADER_ATTEMPTS,
     HEADER_BUSY,
     HEADER_ERROR,
@@ -111,10 +113,16 @@ class Messages:
         self.publisher: AbstractExchange | None = None
         #: The batched acknowledgements of the consuming channel, while connected.
         self.acks: Acks | None = None
+        level = logging.INFO if settings.log_outcomes else logging.DEBUG
+        #: Whether outcome lines pass the log level: when not, not even their fields are built.
+        self._log_outcomes = logging.getLevelName(settings.log_level.upper()) <= level
+        self._outcome = "info" if settings.log_outcomes else "debug"
 
     def log_outcome(self, queue: str, decision: Decision, started: float) -> None:
+        if not self._log_outcomes:
+            return
         envelope = decision.envelope
-        getattr(log, "info" if self._settings.log_outcomes else "debug")(
+        getattr(log, self._outcome)(
             "outcome",
             outcome=decision.outcome,
             action=decision.action.value,
@@ -137,15 +145,34 @@ class Messages:
             return Decision(Action.PARK, reason, "invalid", envelope)
         return Decision(Action.ACK, reason, "refused", envelope)
 
-    async def decide(self, queue: str, message: Delivery) -> Decision:
+    def _read(self, message: Delivery) -> Envelope:
+        """The message as an event; :class:`BodyRejected` or :class:`InvalidEvent` if it is not one."""
+        body = load_body(
+            message.body, max_bytes=self._settings.max_body_bytes, max_keys=self._settings.max_json_keys
+        )
+        return self._ingestion.envelope(body)
+
+    def decide_now(self, queue: str, message: Delivery) -> tuple[Decision | None, Envelope | None]:
+        """Decide without waiting when this process knows the event processed; else (None, the
+        envelope read, or None if it is not an event: :meth:`decide` refuses it)."""
         try:
-            body = load_body(
-                message.body, max_bytes=self._settings.max_body_bytes, max_keys=self._settings.max_json_keys
-            )
-            envelope = self._ingestion.envelope(body)
-        except (BodyRejected, InvalidEvent) as exc:
-            self._counters.incr(f"{_NAME}:invalid")
-            return await self._refuse(queue, message, exc.code, f"not an Evolution event: {exc.reason}", None)
+            envelope = self._read(message)
+        except (BodyRejected, InvalidEvent):
+            return None, None
+        result = self._ingestion.known(envelope, Channel.RABBITMQ)
+        if result is None:
+            return None, envelope
+        return Decision(SETTLEMENT[result.outcome], result.error, result.outcome.value, envelope), envelope
+
+    async def decide(self, queue: str, message: Delivery, envelope: Envelope | None = None) -> Decision:
+        """What comes of ``message`` (``envelope``: the message already read by :meth:`decide_now`)."""
+        if envelope is None:
+            try:
+                envelope = self._read(message)
+            except (BodyRejected, InvalidEvent) as exc:
+                self._counters.incr(f"{_NAME}:invalid")
+                reason = f"not an Evolution event: {exc.reason}"
+                return await self._refuse(queue, message, exc.code, reason, None)
         try:
             result = await self._ingestion.ingest(Relay(envelope, Channel.RABBITMQ))
         except StoreUnavailable as exc:
@@ -207,6 +234,20 @@ class Messages:
             acks.settled(message.delivery_tag)
         else:  # its channel is gone (the broker redelivers it), or no batching: alone, now
             await message.ack()
+
+    def ack_now(self, message: Delivery) -> None:
+        """Acknowledge a message decided at once (:meth:`decide_now`): with the batch, or alone."""
+        acks = self.acks
+        if acks is not None and acks.owns(message):
+            assert message.delivery_tag is not None
+            acks.settled(message.delivery_tag)
+            return
+        try:
+            assert message.delivery_tag is not None
+            message.channel.basic_ack(message.delivery_tag)
+        except BROKER_ERRORS as exc:
+            self._counters.incr(f"{_NAME}:settle_failed")
+            log.warning("message not settled; RabbitMQ will redeliver it", error=repr(exc))
 
     async def _republish(self, queue: str, message: Delivery, target: str, extra: dict[str, Any]) -> None:
         if self.publisher is None:

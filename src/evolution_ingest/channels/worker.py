@@ -1,12 +1,18 @@
-"""The RabbitMQ worker: consume Evolution's queues on one connection; each message is decided and
-settled by :mod:`evolution_ingest.channels.messages`.
+"""The RabbitMQ worker: consume Evolution's queues; each message is decided and settled by
+:mod:`evolution_ingest.channels.messages`.
+
+Two connections: deliveries come on pika's (:mod:`evolution_ingest.channels.consumer`, the
+cheap path every message takes), while declarations, republishing to the retry tiers and the
+parking queue (with publisher confirms) and the watchdog's probes go on aio-pika's. A message
+whose event this process has already seen processed is settled in pika's callback at once;
+every other one is handled in a task of its own, at most ``WORKER_CONCURRENCY`` at a time.
 
 A crash at any point leaves the message unacked (RabbitMQ redelivers it) or saved in
 the inbox (the reconciler finishes it).
 
 Connections are not "robust": the worker reconnects itself and declares and
 consumes everything again, then checks regularly that its consumers are really
-registered (some clients silently lose them on reconnect).
+registered (the broker cancels a consumer whose queue was deleted).
 """
 
 from __future__ import annotations
@@ -18,16 +24,16 @@ import time
 from typing import Final
 
 import aio_pika
-import aiormq
 import structlog
 from aio_pika.abc import AbstractConnection
-from aiormq.abc import DeliveredMessage
 
 from evolution_ingest.channels.acks import Acks
+from evolution_ingest.channels.consumer import Consumer
 from evolution_ingest.channels.delivery import Delivery
 from evolution_ingest.channels.messages import Action, Decision, Messages
 from evolution_ingest.channels.topology import declare
 from evolution_ingest.config import Settings
+from evolution_ingest.core.identity import Envelope
 from evolution_ingest.core.ingestion import Ingestion
 from evolution_ingest.stores.queues import (
     BROKER_ERRORS,
@@ -56,6 +62,8 @@ class Worker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopping = False
+        #: Tasks of the messages being handled (the fast ones have none).
+        self._tasks: set[asyncio.Task[None]] = set()
         #: Set while consumers are registered on every queue (tests and readiness wait on it).
         self.consuming = asyncio.Event()
 
@@ -65,11 +73,7 @@ class Worker:
         failures = 0
         while not stop.is_set():
             try:
-                connection = await aio_pika.connect(
-                    self._settings.rabbitmq_url,
-                    timeout=10,
-                    client_properties={"connection_name": "evolution-ingest worker"},
-                )
+                connection, consumer = await self._connect()
             except BROKER_ERRORS as exc:
                 delay = _RECONNECT_DELAYS[min(failures, len(_RECONNECT_DELAYS) - 1)]
                 failures += 1
@@ -79,42 +83,54 @@ class Worker:
                 continue
             failures = 0
             try:
-                await self._consume(connection, stop)
+                await self._consume(connection, consumer, stop)
             except BROKER_ERRORS as exc:
                 log.warning("RabbitMQ connection lost; reconnecting", error=repr(exc))
             finally:
                 self.consuming.clear()
                 self._messages.publisher = None
                 self._messages.acks = None
+                await consumer.close()
                 with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
                     await asyncio.wait_for(connection.close(), 5)
         log.info("worker stopped")
 
-    async def _consume(self, connection: AbstractConnection, stop: asyncio.Event) -> None:
+    async def _connect(self) -> tuple[AbstractConnection, Consumer]:
+        url = self._settings.rabbitmq_url
+        connection = await aio_pika.connect(
+            url, timeout=10, client_properties={"connection_name": "evolution-ingest worker"}
+        )
+        try:
+            consumer = await Consumer.open(
+                url, prefetch=self._settings.rabbitmq_prefetch, name="evolution-ingest worker (deliveries)"
+            )
+        except BaseException:
+            with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
+                await asyncio.wait_for(connection.close(), 5)
+            raise
+        return connection, consumer
+
+    async def _consume(self, connection: AbstractConnection, consumer: Consumer, stop: asyncio.Event) -> None:
         lost = asyncio.Event()
         connection.close_callbacks.add(lambda *_: lost.set())
         publish_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        consume_channel = await connection.channel(publisher_confirms=False)
-        for channel in (publish_channel, consume_channel):
-            channel.close_callbacks.add(lambda *_: lost.set())
+        publish_channel.close_callbacks.add(lambda *_: lost.set())
         await declare(publish_channel, self.topology)
-        await consume_channel.set_qos(prefetch_count=self._settings.rabbitmq_prefetch)
         self._messages.publisher = publish_channel.default_exchange
-        underlay = await consume_channel.get_underlay_channel()
-        acks = self._messages.acks = Acks(underlay, self._counters)
-        consumers = []
-        for name in self.topology.consumed_queues:
-            # On aiormq's channel: one task per delivery (see channels/delivery.py).
-            ok = await underlay.basic_consume(name, functools.partial(self._delivered, name))
-            assert ok.consumer_tag is not None
-            consumers.append(ok.consumer_tag)
+        assert consumer.channel is not None
+        acks = self._messages.acks = Acks(consumer.channel, self._counters)
+        tags = [
+            await consumer.consume(name, functools.partial(self._delivered, name))
+            for name in self.topology.consumed_queues
+        ]
         self.consuming.set()
-        log.info("worker consuming", queues=len(consumers), mode=self.topology.mode.value)
+        log.info("worker consuming", queues=len(tags), mode=self.topology.mode.value)
 
         waiting = [
             asyncio.create_task(stop.wait()),
             asyncio.create_task(lost.wait()),
-            asyncio.create_task(self._watch(connection, underlay, consumers, lost)),
+            asyncio.create_task(consumer.closed.wait()),
+            asyncio.create_task(self._watch(connection, consumer, tags, lost)),
         ]
         try:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -122,13 +138,13 @@ class Worker:
             for task in waiting:
                 task.cancel()
         self.consuming.clear()
-        if lost.is_set():
+        if lost.is_set() or consumer.closed.is_set():
             raise ConnectionError("connection or channel closed")
         # Stopping: take no more messages, finish those in flight, return the waiting ones.
         self._stopping = True
-        for tag in consumers:
+        for tag in tags:
             with contextlib.suppress(*BROKER_ERRORS):
-                await underlay.basic_cancel(tag)
+                await consumer.cancel(tag)
         try:
             await asyncio.wait_for(self._idle.wait(), self._settings.shutdown_timeout_seconds)
         except TimeoutError:
@@ -138,13 +154,12 @@ class Worker:
         await acks.flush()
 
     async def _watch(
-        self, connection: AbstractConnection, channel: aiormq.abc.AbstractChannel, tags: list[str],
-        lost: asyncio.Event,
-    ) -> None:  # fmt: skip
+        self, connection: AbstractConnection, consumer: Consumer, tags: list[str], lost: asyncio.Event
+    ) -> None:
         """Make sure every consumer is still registered, here and on the broker."""
         while True:
             await asyncio.sleep(self._settings.rabbitmq_watchdog_seconds)
-            registered = channel.consumers if isinstance(channel, aiormq.Channel) else {}
+            registered = consumer.consumer_tags
             missing = [tag for tag in tags if tag not in registered]
             if not missing:
                 missing = await self._unconsumed_queues(connection)
@@ -168,11 +183,27 @@ class Worker:
                 await probe.close()
 
     # --- one message ----------------------------------------------------------------------
-    async def _delivered(self, queue: str, delivered: DeliveredMessage) -> None:
-        await self.handle(queue, Delivery(delivered))
+    def _delivered(self, queue: str, message: Delivery) -> None:
+        """pika's callback for each delivery: settled at once when this process knows the event
+        processed, else handled in a task of its own."""
+        if self._stopping:
+            return  # never started: the channel closes and RabbitMQ redelivers it
+        started = time.perf_counter()
+        try:
+            decision, envelope = self._messages.decide_now(queue, message)
+        except Exception:  # the edge: log with the traceback; the task below decides it again, guarded
+            log.exception("unexpected error while reading a message", queue=queue)
+            decision, envelope = None, None
+        if decision is not None:
+            self._messages.log_outcome(queue, decision, started)
+            self._messages.ack_now(message)
+            return
+        task = asyncio.get_running_loop().create_task(self.handle(queue, message, envelope))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def handle(self, queue: str, message: Delivery) -> None:
-        """The consumer callback: decide, then settle, with bounded concurrency."""
+    async def handle(self, queue: str, message: Delivery, envelope: Envelope | None = None) -> None:
+        """Decide, then settle, with bounded concurrency (``envelope``: the message, already read)."""
         self._inflight += 1
         self._idle.clear()
         try:
@@ -181,7 +212,7 @@ class Worker:
                     return  # never started: the channel closes and RabbitMQ redelivers it
                 started = time.perf_counter()
                 try:
-                    decision = await self._messages.decide(queue, message)
+                    decision = await self._messages.decide(queue, message, envelope)
                 except Exception as exc:  # the edge: log with the traceback, count, and retry it
                     self._counters.incr(f"{_NAME}:errors")
                     log.exception("unexpected error while handling a message", queue=queue)

@@ -118,6 +118,20 @@ class Ingestion:
         """
         return parse_envelope(body, self.redactor.body, key=dedup_key)
 
+    def known(self, envelope: Envelope, channel: Channel) -> Result | None:
+        """A copy of an event this process saw processed, answered at once, as :meth:`ingest`
+        would (counted, and its channel noted in the background); None: ask :meth:`ingest`."""
+        if self._legacy.applies(envelope):
+            return None
+        key = envelope.dedup_key
+        probe = self.locks.known(key, channel)
+        if probe is None:
+            return None
+        name = _prefix(channel)
+        self._delivered(name, envelope)
+        self._inflight.note_seen(key, channel, probe)
+        return self._skip(name, Outcome.DUPLICATE, key)
+
     async def ingest(self, request: Request) -> Result:
         """The one way in: what the request asks, and what came of it."""
         try:

@@ -235,16 +235,23 @@ class RedisLocks:
             log.warning("redis unavailable, continuing with Postgres alone", op=operation, error=repr(exc))
         self._down_until = time.monotonic() + self._retry_after
 
+    def known(self, dedup_key: str, channel: Channel | None) -> Probe | None:
+        """What this process knows without asking Redis: the event processed (None: nothing)."""
+        known = self.recent.bits(dedup_key)
+        if not known & _BITS[PROCESSED]:
+            return None
+        recorded = channel is None or bool(known & _BITS[channel.value])
+        return _ANSWERS[_PROCESSED_BIT | (_RECORDED if recorded else 0)]
+
     async def acquire(self, dedup_key: str, token: str, channel: Channel | None) -> Probe:
         """Try to take the lock; also read the seen marker.
 
         ``channel`` is the channel of the copy (None for the reconciler and replays). An event
         this process saw processed is answered from memory, without Redis.
         """
-        known = self.recent.bits(dedup_key)
-        if known & _BITS[PROCESSED]:
-            recorded = channel is None or bool(known & _BITS[channel.value])
-            return _ANSWERS[_PROCESSED_BIT | (_RECORDED if recorded else 0)]
+        probe = self.known(dedup_key, channel)
+        if probe is not None:
+            return probe
         if self._skip():
             return UNAVAILABLE
         taking = self._acquires.submit((dedup_key, token, channel.value if channel else "-"))

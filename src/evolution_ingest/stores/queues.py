@@ -36,6 +36,7 @@ from typing import Any, Final
 
 import aio_pika
 import aiormq
+import pika.exceptions
 from aio_pika.abc import AbstractConnection
 
 from evolution_ingest.config import RabbitMode, Settings
@@ -47,6 +48,7 @@ BROKER_ERRORS: Final = (
     aiormq.exceptions.AMQPError,
     aio_pika.exceptions.AMQPException,
     aio_pika.exceptions.ChannelInvalidStateError,
+    pika.exceptions.AMQPError,  # the worker's consumer (channels/consumer.py)
 )
 
 # Headers the service puts on the messages it republishes (attempts are counted here, not in x-death).
