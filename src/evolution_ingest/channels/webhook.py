@@ -12,6 +12,7 @@ cannot be written, the answer is 503 so that Evolution sends the body again.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from evolution_ingest.core.body import BodyRejected, load_body, too_large
 from evolution_ingest.core.contract import Outcome, Receive, Result, RunSaved
 from evolution_ingest.core.identity import Envelope, InvalidEvent
 from evolution_ingest.core.ingestion import INTERNAL, Ingestion
-from evolution_ingest.stores.evolution import INSTANCE_ID_HEADER, webhook_path
+from evolution_ingest.stores.evolution import INSTANCE_ID_HEADER, SOURCE_HEADER, webhook_path
 from evolution_ingest.stores.postgres import StoreUnavailable
 from evolution_ingest.stores.refusals import Refusal, RefusalLog
 
@@ -49,6 +50,19 @@ _CHANNEL: Final = "webhook"
 
 #: Codes of bodies that parse and are events, but can never be accepted: 422.
 _UNACCEPTABLE: Final = frozenset({"too_deep", "unstorable"})
+#: The headers every call is read for, found in one pass over the ASGI scope's list (auth, when
+#: on, reads the headers it needs itself).
+_WANTED: Final = frozenset(
+    name.encode() for name in ("content-length", INTERNAL_SECRET_HEADER, DEDUP_KEY_HEADER, INSTANCE_ID_HEADER,
+                               SOURCE_HEADER)
+)  # fmt: skip
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    """The headers of :data:`_WANTED` a call carries (ASGI servers give names in lower case)."""
+    return {
+        name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"] if name in _WANTED
+    }
 
 
 class _Refused(Exception):
@@ -128,6 +142,9 @@ class WebhookApp:
         self._max_keys = settings.max_json_keys
         self._retry_after = str(settings.retry_after_seconds)
         self._outcome_level = "info" if settings.log_outcomes else "debug"
+        level = logging.INFO if settings.log_outcomes else logging.DEBUG
+        #: Whether outcome lines pass the log level: when not, not even their fields are built.
+        self._log_outcomes = logging.getLevelName(settings.log_level.upper()) <= level
 
     async def receive(self, request: Request) -> JsonAnswer:
         try:
@@ -142,8 +159,9 @@ class WebhookApp:
         channel = _CHANNEL
         raw = b""
         try:
-            raw = await self._body(request)
-            call = self._read(request, raw)
+            headers = _headers(request.scope)
+            raw = await self._body(request, headers)
+            call = self._read(request, raw, headers)
             channel = INTERNAL if call.internal else _CHANNEL
             result = await self._ingestion.ingest(
                 RunSaved(call.envelope) if call.internal else Receive(call.envelope)
@@ -160,6 +178,11 @@ class WebhookApp:
             return JsonAnswer(400, {"error": "the client went away"})
         elapsed = time.perf_counter() - started
         self._counters.observe("webhook_seconds", elapsed)
+        if self._log_outcomes:
+            self._log_outcome(call, result, channel, elapsed)
+        return self._answer(result)
+
+    def _log_outcome(self, call: _Call, result: Result, channel: str, elapsed: float) -> None:
         getattr(log, self._outcome_level)(
             "outcome",
             outcome=result.outcome.value,
@@ -170,7 +193,6 @@ class WebhookApp:
             duration_ms=round(elapsed * 1000, 2),
             **({"instance_id": call.instance_id} if call.instance_id else {}),
         )
-        return self._answer(result)
 
     def _unavailable(self, channel: str, exc: StoreUnavailable) -> JsonAnswer:
         self._counters.incr(f"{channel}:unavailable")
@@ -199,17 +221,17 @@ class WebhookApp:
             refused.status, {"error": refused.reason, "code": refused.code, "refusal_id": refusal_id}
         )
 
-    def _read(self, request: Request, raw: bytes) -> _Call:
+    def _read(self, request: Request, raw: bytes, headers: Mapping[str, str]) -> _Call:
         try:
             body = load_body(raw, max_bytes=self._max_body, max_keys=self._max_keys)
         except BodyRejected as exc:
             raise _Refused(exc.status, exc.reason, exc.code) from None
         internal = _is_forward(body)
         if internal:
-            refusal = internal_refusal(self._secret, request.headers.get(INTERNAL_SECRET_HEADER))
+            refusal = internal_refusal(self._secret, headers.get(INTERNAL_SECRET_HEADER))
             if refusal:
                 raise _Refused(401, refusal, "unauthorized", f"{INTERNAL}:unauthorized")
-        key = _forward_key(request.headers.get(DEDUP_KEY_HEADER)) if internal else None
+        key = _forward_key(headers.get(DEDUP_KEY_HEADER)) if internal else None
         try:
             envelope = self._ingestion.envelope(body, dedup_key=key)
         except InvalidEvent as exc:
@@ -224,11 +246,11 @@ class WebhookApp:
             )
             if refusal:
                 raise _Refused(401, refusal, "unauthorized", f"{_CHANNEL}:unauthorized")
-        instance_id = request.headers.get(INSTANCE_ID_HEADER)
+        instance_id = headers.get(INSTANCE_ID_HEADER)
         return _Call(
             envelope,
             internal=False,
-            path=webhook_path(request.headers),
+            path=webhook_path(headers),
             instance_id=codec.label(instance_id[:100]) if instance_id else None,
         )
 
@@ -245,14 +267,14 @@ class WebhookApp:
         rejected = too_large(self._max_body)
         return _Refused(rejected.status, rejected.reason, rejected.code, raw=kept[: self._keep_bytes + 1])
 
-    async def _body(self, request: Request) -> bytes:
+    async def _body(self, request: Request, headers: Mapping[str, str]) -> bytes:
         """The raw body, read within the size limit (declared or streamed).
 
         Read straight from the ASGI channel: this runs for every event.
         """
-        for name, value in request.scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
-                raise await self._too_large(request, [])
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_body:
+            raise await self._too_large(request, [])
         chunks = []
         size = 0
         while True:

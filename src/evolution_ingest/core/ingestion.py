@@ -157,6 +157,10 @@ class Ingestion:
     async def _receive(self, envelope: Envelope, channel: Channel) -> Result:
         name, key = _prefix(channel), envelope.dedup_key
         self._delivered(name, envelope)
+        known = self.locks.known(key, channel)
+        if known is not None:  # processed, as this process saw: no need to ask anyone
+            self._inflight.note_seen(key, channel, known)
+            return self._skip(name, Outcome.DUPLICATE, key)
         claim = Claim.new(self.locks.lock_ttl)
         probe = await self._probe(name, key, claim.token.hex, channel)
         if probe.processed:

@@ -69,6 +69,7 @@ class Counters:
         self._histograms: dict[str, tuple[str, ...]] = {}
         self._rate_names: dict[str, tuple[int, str]] = {}
         self._seen_names: dict[tuple[str, str], str] = {}
+        self._path_names: dict[tuple[str, str], tuple[str, str]] = {}
 
     @property
     def prefix(self) -> str:
@@ -114,8 +115,13 @@ class Counters:
 
     def webhook_path(self, instance: str, path: str) -> None:
         """A webhook call of ``instance`` came through Evolution's ``instance`` or ``global`` webhook."""
-        self._pending[f"webhook:via:{path}"] += 1
-        self._paths[f"{instance}\t{path}"] = round(time.time(), 3)
+        names = self._path_names.get((instance, path))
+        if names is None:
+            if len(self._path_names) > 10_000:  # bounded: instances come and go
+                self._path_names.clear()
+            names = self._path_names[(instance, path)] = (f"webhook:via:{path}", f"{instance}\t{path}")
+        self._pending[names[0]] += 1
+        self._paths[names[1]] = round(time.time(), 3)
 
     def pending(self) -> dict[str, int]:
         """Increments not yet flushed to Redis."""
