@@ -26,7 +26,7 @@ from bench.service import publisher, running, wait_traced, workload
 BUCKETS = [
     ("HTTP server (uvicorn, httptools)", re.compile(r"uvicorn|httptools|h11")),
     ("ASGI framework (starlette)", re.compile(r"starlette")),
-    ("AMQP client (aio-pika, aiormq, pamqp)", re.compile(r"aio_pika|aiormq|pamqp")),
+    ("AMQP client (pika, aio-pika, aiormq, pamqp)", re.compile(r"/pika/|aio_pika|aiormq|pamqp")),
     ("Postgres driver (asyncpg)", re.compile(r"asyncpg")),
     ("Redis client (redis-py)", re.compile(r"/redis/")),
     ("logging (structlog)", re.compile(r"structlog|/logging/")),
