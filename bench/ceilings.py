@@ -71,15 +71,17 @@ async def bare_http(bodies: Sequence[bytes]) -> LoadResult:
         return await post_all(f"http://127.0.0.1:{port}/bare", bodies, 64, 120)
 
 
-async def transport(n: int, offset: int) -> float:
+async def transport(n: int, offset: int, *, lean: bool = False) -> float:
     """Both channels' copies of ``n`` events, as the dual scenarios send them (same load generator,
-    same publisher), into a receiver that only parses and answers / acks: events/s."""
+    same publisher), into a receiver that only parses and answers / acks: events/s.
+
+    ``lean``: the receiver on the service's own stack (``bench/bare.py --lean``)."""
     bodies, _ = workload(offset, n)
     iso = Isolation()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "bench.bare", str(port), "--amqp", RABBITMQ_URL,
-               "--prefix", f"bench{iso.run_id}", "--events", ",".join(EVENTS)]  # fmt: skip
+               "--prefix", f"bench{iso.run_id}", "--events", ",".join(EVENTS), *(["--lean"] if lean else [])]  # fmt: skip
     try:
         # The publisher's queues are declared once it is ready; the receiver then consumes them.
         async with publisher(iso, offset, n) as go, process(command, dict(os.environ), "bare receiver"):

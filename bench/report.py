@@ -35,7 +35,8 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     ceilings: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, dict[str, float]] = field(default_factory=dict)
-    checks: list[tuple[str, str, bool]] = field(default_factory=list)
+    #: (target, reached, met); met None for a row given for reference, not a target.
+    checks: list[tuple[str, str, bool | None]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -97,7 +98,10 @@ def render(report: Report, args: argparse.Namespace) -> str:
         "## Targets",
         "",
         table(
-            [[name, got, "yes" if ok else "**no**"] for name, got, ok in report.checks],
+            [
+                [name, got, "—" if ok is None else "yes" if ok else "**no**"]
+                for name, got, ok in report.checks
+            ],
             ["target", "reached", "met"],
         ),
     ]
