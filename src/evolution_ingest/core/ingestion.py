@@ -121,16 +121,11 @@ class Ingestion:
     def known(self, envelope: Envelope, channel: Channel) -> Result | None:
         """A copy of an event this process saw processed, answered at once, as :meth:`ingest`
         would (counted, and its channel noted in the background); None: ask :meth:`ingest`."""
-        if self._legacy.applies(envelope):
-            return None
-        key = envelope.dedup_key
-        probe = self.locks.known(key, channel)
+        probe = None if self._legacy.applies(envelope) else self.locks.known(envelope.dedup_key, channel)
         if probe is None:
             return None
-        name = _prefix(channel)
-        self._delivered(name, envelope)
-        self._inflight.note_seen(key, channel, probe)
-        return self._skip(name, Outcome.DUPLICATE, key)
+        self._delivered(_prefix(channel), envelope)
+        return self._duplicate(channel, envelope.dedup_key, probe)
 
     async def ingest(self, request: Request) -> Result:
         """The one way in: what the request asks, and what came of it."""
@@ -159,16 +154,13 @@ class Ingestion:
         self._delivered(name, envelope)
         known = self.locks.known(key, channel)
         if known is not None:  # processed, as this process saw: no need to ask anyone
-            self._inflight.note_seen(key, channel, known)
-            return self._skip(name, Outcome.DUPLICATE, key)
+            return self._duplicate(channel, key, known)
         claim = Claim.new(self.locks.lock_ttl)
         probe = await self._probe(name, key, claim.token.hex, channel)
         if probe.processed:
-            self._inflight.note_seen(key, channel, probe)
-            return self._skip(name, Outcome.DUPLICATE, key)
+            return self._duplicate(channel, key, probe)
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
-
         return await self._save_and_run(envelope, channel, probe, claim, here=False)
 
     async def _save_and_run(
@@ -225,8 +217,7 @@ class Ingestion:
         if probe.busy and await self._inflight.finished_here(key):
             probe = Probe(True, processed=True, recorded=probe.recorded)
         if probe.processed:
-            self._inflight.note_seen(key, channel, probe)
-            return self._skip(name, Outcome.DUPLICATE, key)
+            return self._duplicate(channel, key, probe)
         if probe.busy:
             return await self._save_busy_copy(envelope, channel, probe)
         if self._forwarding and self._forwarder is None:
@@ -321,6 +312,11 @@ class Ingestion:
         row = await self.inbox.save(envelope, channel, None)
         self.locks.release_soon(key, None, _marks(channel, row.processed))
         return self._skip(name, Outcome.DUPLICATE if row.processed else Outcome.LOCKED, key, row)
+
+    def _duplicate(self, channel: Channel, key: str, probe: Probe) -> Result:
+        """A copy of a processed event: its channel noted in the background, counted, answered."""
+        self._inflight.note_seen(key, channel, probe)
+        return self._skip(_prefix(channel), Outcome.DUPLICATE, key)
 
     def _skip(self, name: str, outcome: Outcome, key: str, row: SavedRow | None = None) -> Result:
         self.counters.incr(f"{name}:{_SKIPPED[outcome]}")
