@@ -16,31 +16,40 @@ UNFINISHED: Final = (
 #: ``$3``: the age in seconds. Processed that long ago (so also received that long ago).
 OLD: Final = "i.processed_at IS NOT NULL AND i.processed_at < now() - make_interval(secs => $3)"
 
-#: One step of a walk in id order: ``$1`` the last id seen, ``$2`` the batch size.
+#: One step of a walk in id order: ``$1`` the last id seen, ``$2`` the batch size. The batch is
+#: the next ``$2`` ids, so its rows are exactly those of ids in ``($1, last]``: every action reads
+#: them by that range of the primary key (``IN_SPAN``), never by a join with the batch, which the
+#: planner may turn into a scan of the whole inbox once it is large (each step must cost what it
+#: removes, not the table's size). Bodies are found by their key, ``(event_id, received_at)``, so
+#: that only the partition holding one is searched.
 WALK: Final = f"""
 WITH batch AS MATERIALIZED (SELECT id, received_at FROM {TABLE} WHERE id > $1 ORDER BY id LIMIT $2),
+span AS MATERIALIZED (SELECT max(id) AS last, max(received_at) AS newest FROM batch),
 {{action}}
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT max(received_at) FROM batch) AS newest,
+SELECT (SELECT last FROM span) AS last_id, (SELECT newest FROM span) AS newest,
        (SELECT count(*) FROM done) AS done
 """
+IN_SPAN: Final = "i.id > $1 AND i.id <= (SELECT last FROM span)"
 
 DELETE_ROWS: Final = WALK.format(
-    action=f"""done AS (DELETE FROM {TABLE} AS i USING batch WHERE i.id = batch.id AND {OLD} RETURNING i.id),
-bodies AS (DELETE FROM {BODIES} AS b USING done WHERE b.event_id = done.id)"""
+    action=f"""done AS (DELETE FROM {TABLE} AS i WHERE {IN_SPAN} AND {OLD} RETURNING i.id, i.received_at),
+bodies AS (DELETE FROM {BODIES} AS b USING done
+            WHERE b.event_id = done.id AND b.received_at = done.received_at)"""
 )
 
-EMPTY_LEGACY: Final = f"""done AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM batch
-         WHERE i.id = batch.id AND i.payload IS NOT NULL AND {OLD} RETURNING i.id)"""
+EMPTY_LEGACY: Final = f"""done AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL
+         WHERE {IN_SPAN} AND i.payload IS NOT NULL AND {OLD} RETURNING i.id)"""
 
 #: Bodies kept in the row (saved before partitioning, or rescued) only; partitions are dropped.
 EMPTY_LEGACY_BODIES: Final = WALK.format(action=EMPTY_LEGACY)
 
 #: Both kinds (``purge --payload-only``, whose age need not match a partition's end).
 EMPTY_BODIES: Final = WALK.format(
-    action=f"""old AS MATERIALIZED (SELECT i.id FROM {TABLE} AS i JOIN batch ON i.id = batch.id WHERE {OLD}),
-legacy AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL FROM old
-           WHERE i.id = old.id AND i.payload IS NOT NULL RETURNING i.id),
-partitioned AS (DELETE FROM {BODIES} AS b USING old WHERE b.event_id = old.id RETURNING b.event_id),
+    action=f"""old AS MATERIALIZED (SELECT i.id, i.received_at FROM {TABLE} AS i WHERE {IN_SPAN} AND {OLD}),
+legacy AS (UPDATE {TABLE} AS i SET payload = NULL, payload_text = NULL
+            WHERE {IN_SPAN} AND i.payload IS NOT NULL AND {OLD} RETURNING i.id),
+partitioned AS (DELETE FROM {BODIES} AS b USING old
+                 WHERE b.event_id = old.id AND b.received_at = old.received_at RETURNING b.event_id),
 done AS (SELECT id FROM legacy UNION SELECT event_id FROM partitioned)"""
 )
 
