@@ -1,4 +1,5 @@
-"""Measuring a scenario: CPU seconds per component, memory, and what the trace handler saw."""
+"""Measuring a scenario: CPU seconds per component, memory, what the trace handler saw, and the
+machine's own stalls (CPU, I/O, Postgres checkpoints)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -102,3 +104,57 @@ def percentile(values: list[float], p: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+@dataclass
+class Pressure:
+    """What the machine went through over a window: time some task stalled waiting for a core or
+    for I/O (the kernel's pressure-stall information, /proc/pressure), and Postgres checkpoints."""
+
+    cpu_stall_ms: float
+    io_stall_ms: float
+    checkpoints: int
+    checkpoint_sync_ms: float
+
+    def __str__(self) -> str:
+        return (
+            f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
+            f"{self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing)"
+        )
+
+
+def _stall_us(resource: str) -> float:
+    """Microseconds some task stalled on ``resource`` since boot (0 where PSI is off)."""
+    try:
+        line = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return 0.0
+    return float(line.rsplit("total=", 1)[1])
+
+
+_CHECKPOINTS = "SELECT checkpoints_timed + checkpoints_req, checkpoint_sync_time FROM pg_stat_bgwriter"
+
+
+class PressureMeter:
+    """:class:`Pressure` between :meth:`start` and :meth:`stop` (Postgres through ``fetchrow``)."""
+
+    def __init__(self, fetchrow: Callable[[str], Any]) -> None:
+        self._fetchrow = fetchrow
+        self._before: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
+
+    async def _sample(self) -> tuple[float, float, int, float]:
+        record = await self._fetchrow(_CHECKPOINTS)
+        return _stall_us("cpu"), _stall_us("io"), int(record[0]), float(record[1])
+
+    async def start(self) -> None:
+        self._before = await self._sample()
+
+    async def stop(self) -> Pressure:
+        after = await self._sample()
+        before = self._before
+        return Pressure(
+            (after[0] - before[0]) / 1000,
+            (after[1] - before[1]) / 1000,
+            after[2] - before[2],
+            after[3] - before[3],
+        )

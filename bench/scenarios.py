@@ -8,8 +8,10 @@ import subprocess
 import time
 
 import aiohttp
+import asyncpg
 
 from bench.harness import (
+    DATABASE_URL,
     STALLS,
     Isolation,
     LoadResult,
@@ -17,7 +19,7 @@ from bench.harness import (
     median,
     post_all,
 )
-from bench.measure import CpuMeter, Traced, infrastructure, status_mb
+from bench.measure import CpuMeter, Pressure, PressureMeter, Traced, infrastructure, status_mb
 from bench.report import Report, Row
 from bench.service import (
     Running,
@@ -124,15 +126,20 @@ async def loop_lag(url: str) -> str:
 
 
 async def half_load(report: Report, n: int, offset: int, full_rate: float, runs: int = 10) -> None:
-    """Open-loop webhook load at half the maximum rate, ``runs`` times on one process: p99 of each."""
+    """Open-loop webhook load at half the maximum rate, ``runs`` times on one process: p99 of each,
+    and what the machine went through during each (CPU and I/O stalls, Postgres checkpoints)."""
     iso = Isolation()
     each = max(1, n // 2)
-    results, sent = [], {}
+    results, sent, pressures = [], {}, []
+    conn = await asyncpg.connect(DATABASE_URL)
     try:
         async with running(iso, "up") as service:
+            meter = PressureMeter(conn.fetchrow)
             for run in range(runs):
                 bodies, keys = workload(offset + run * each, each)
+                await meter.start()
                 result = await post_all(service.urls, bodies, 256, 300, rate=full_rate / 2)
+                pressures.append(await meter.stop())
                 await wait_traced(iso, (run + 1) * each, 60)
                 results.append(result)
                 sent.update(zip(keys, result.sent_at, strict=True))
@@ -163,6 +170,7 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
                 f"{max((s['lag_ms'] for s in stalls), default=0):.0f} ms; most GC in one "
                 f"{max((s['gc_ms'] for s in stalls), default=0):.0f} ms). Its wake-ups every 50 ms: {lag}."
             )
+            report.notes.append(_pressure_note(p99s, pressures))
             good = sum(1 for p in p99s if p <= 50)
             report.checks.append(
                 (
@@ -172,7 +180,14 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
                 )
             )
     finally:
+        await conn.close()
         await iso.cleanup()
+
+
+def _pressure_note(p99s: list[float], pressures: list[Pressure]) -> str:
+    """Each half-load run's p99 beside what the machine went through meanwhile."""
+    runs = "; ".join(f"{p99:.0f} ms: {pressure}" for p99, pressure in zip(p99s, pressures, strict=True))
+    return f"What each half-load run went through (p99: stalls of the machine, from /proc/pressure and Postgres): {runs}."
 
 
 async def channel_scenario(
