@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.operate.retention_job import RetentionJob
 from evolution_ingest.runtime import Runtime
+from evolution_ingest.stores import retention_sql
 from evolution_ingest.stores.deliveries import DELIVERIES
 from evolution_ingest.stores.inbox import BODIES, TABLE, VIEW
 from evolution_ingest.stores.retention import DEFAULT_PARTITION, Partition
@@ -266,3 +268,22 @@ async def test_check_warns_of_a_horizon_under_a_day_and_sees_the_partitions(
     assert "under a day" in lines["retention"]["detail"]
     assert "EVOLUTION_INGEST_RETENTION_ROWS_SECONDS" in lines["retention"]["detail"]
     assert lines["partitions"]["state"] == "ok"
+
+
+@pytest.mark.parametrize("statement", ["DELETE_ROWS", "EMPTY_BODIES", "EMPTY_LEGACY_BODIES"])
+async def test_a_step_reads_its_rows_by_their_ids_never_by_a_scan_of_the_inbox(
+    db: asyncpg.Connection, statement: str
+) -> None:
+    """Each step must cost what it removes: on a large inbox, a join with the batch could be planned
+    as a scan of the whole table (it was, from a few tens of thousands of rows), once per step."""
+    await db.execute(
+        f"""INSERT INTO {TABLE} (dedup_key, event, instance, channel, received_at, processed_at)
+            SELECT md5(i::text) || md5((-i)::text), 'x', 'i', 'WEBHOOK',
+                   now() - interval '3 days', now() - interval '3 days'
+              FROM generate_series(1, 60000) AS i"""
+    )
+    await db.execute(f"ANALYZE {TABLE}")
+    query = getattr(retention_sql, statement)
+    plan = "\n".join(r[0] for r in await db.fetch(f"EXPLAIN (COSTS OFF) {query}", 0, 5000, 86400.0))
+    assert f"Seq Scan on {TABLE}" not in plan, plan
+    assert re.search(r"Index Cond: \(\(id > .+\) AND \(id <= \$\d+\)\)", plan), plan
