@@ -13,8 +13,8 @@ never raises for that, and never claims a duplicate that Postgres has not seen:
 
 Locks taken (and released) by concurrent requests go to Redis together: one script call
 for the whole batch, so that the client's cost per command is paid once per batch, not once
-per event. Every key carries the same hash tag, so a batch's keys live in one slot and the
-scripts also run on Redis Cluster. What this process itself marked is also remembered in
+per event. Every key carries the same hash tag, so a batch's keys live in one slot, as Redis
+Cluster requires of a script. What this process itself marked is also remembered in
 memory for a while (:class:`RecentlySeen`), so that a copy of an event this process finished
 — the other channel's copy, an Evolution retry — is answered without even asking Redis.
 """
