@@ -210,21 +210,21 @@ class RedisLocks:
     def seen_key(self, dedup_key: str) -> str:
         return self._seen_prefix + dedup_key
 
-    async def _acquire_batch(self, calls: list[tuple[str, str, str]]) -> list[int]:
+    async def _batch(self, script: str, ttl_ms: int, calls: list[tuple[str, str, str]]) -> Any:
+        """One call of ``script`` for a batch: the lock and seen keys of each event, then the TTL
+        and the two arguments of each event (token and channel, or token and marks)."""
         keys: list[str] = []
-        args: list[Any] = [self._lock_ttl_ms]
-        for dedup_key, token, channel in calls:
+        args: list[Any] = [ttl_ms]
+        for dedup_key, first, second in calls:
             keys += (self._lock_prefix + dedup_key, self._seen_prefix + dedup_key)
-            args += (token, channel)
-        return list(await self._scripts.run("acquire", keys, args))
+            args += (first, second)
+        return await self._scripts.run(script, keys, args)
+
+    async def _acquire_batch(self, calls: list[tuple[str, str, str]]) -> list[int]:
+        return list(await self._batch("acquire", self._lock_ttl_ms, calls))
 
     async def _release_batch(self, calls: list[tuple[str, str, str]]) -> list[None]:
-        keys: list[str] = []
-        args: list[Any] = [self._seen_ttl_ms]
-        for dedup_key, token, marks in calls:
-            keys += (self._lock_prefix + dedup_key, self._seen_prefix + dedup_key)
-            args += (token, marks)
-        await self._scripts.run("release", keys, args)
+        await self._batch("release", self._seen_ttl_ms, calls)
         return [None] * len(calls)
 
     def _skip(self) -> bool:
