@@ -8,7 +8,9 @@ Starts what it needs (service processes on its own schema, Redis prefix and queu
 a bare endpoint), drives them with an aiohttp load generator and a separate RabbitMQ
 publisher, and prints one report: events/s, webhook and end-to-end latency, memory,
 events lost and processed twice, each scenario as a ratio to the raw Postgres ceiling,
-and where the CPU went. Every load is bounded in count and in time.
+the targets as ratios to the transport ceiling (and, for reference, to a lean receiver on the
+service's own stack) and to the bare endpoint, what the machine went through during the
+latency runs, and where the CPU went. Every load is bounded in count and in time.
 """
 
 from __future__ import annotations

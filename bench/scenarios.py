@@ -30,6 +30,7 @@ from bench.service import (
     running,
     service_env,
     wait_traced,
+    where_lost,
     workload,
 )
 
@@ -244,6 +245,8 @@ async def channel_scenario(
             )
             if cpu and runs:
                 report.cpu[name] = {k: v / len(runs) * 1000 for k, v in used.items()}
+            if lost := await where_lost(iso, keys, bodies, traced):
+                report.notes.append(f"{name}: {lost}")
             return rate
     finally:
         await iso.cleanup()

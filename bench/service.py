@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import asyncpg
 import orjson
 
 from bench.events import unique_event
 from bench.harness import (
+    DATABASE_URL,
     RABBITMQ_URL,
     Isolation,
     cli,
@@ -26,7 +28,9 @@ from bench.harness import (
     wait_http,
 )
 from bench.measure import Traced, percentile, status_mb
+from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import EVENT_NAMES, parse_envelope
+from evolution_ingest.stores.queues import status as queue_status
 
 EVENTS = sorted(
     {
@@ -203,3 +207,49 @@ def workload(start: int, count: int) -> tuple[list[bytes], list[str]]:
 def e2e(traced: Traced, sent: dict[str, float]) -> tuple[float, float]:
     values = traced.latencies_ms(sent)
     return percentile(values, 50), percentile(values, 99)
+
+
+async def where_lost(iso: Isolation, keys: Sequence[str], bodies: Sequence[bytes], traced: Traced) -> str:
+    """Where the events the trace never saw are: their event, their inbox row, the queues' depths.
+
+    Nothing may be lost; when the count says otherwise, this is what tells a loss in the service
+    (a row saved and never processed, a message parked or left unsettled) from a publish the
+    broker never took (no row at all: the publisher, like Evolution, sends without confirms).
+    """
+    missing = [(key, body) for key, body in zip(keys, bodies, strict=True) if key not in traced.runs]
+    if not missing:
+        return ""
+    conn = await asyncpg.connect(DATABASE_URL, server_settings={"search_path": iso.schema})
+    try:
+        rows = {
+            r["dedup_key"]: dict(r)
+            for r in await conn.fetch(
+                "SELECT dedup_key, channel, received_at, processed_at, attempts, last_error, claimed_until, "
+                "failed_at FROM evolution_ingest_inbox WHERE dedup_key = ANY($1)",
+                [key for key, _ in missing],
+            )
+        }
+    finally:
+        await conn.close()
+    env = service_env(iso)
+    settings = Settings.from_env(**{
+        name.removeprefix("EVOLUTION_INGEST_").lower(): value for name, value in env.items()
+        if name.startswith("EVOLUTION_INGEST_") and name != "EVOLUTION_INGEST_HANDLERS"
+    })  # fmt: skip
+    queues = await queue_status(settings)
+    busy = {name: state for name, state in _flat_queues(queues).items() if state.get("messages")}
+    found = "; ".join(
+        f"{orjson.loads(body)['event']} {key[:12]}: "
+        + (f"row {rows[key]}" if key in rows else "no row (never received by either channel)")
+        for key, body in missing[:5]
+    )
+    return f"{len(missing)} lost: {found}; queues holding messages: {busy or 'none'}."
+
+
+def _flat_queues(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    flat: dict[str, dict[str, Any]] = {}
+    for key in ("retry_tiers", "evolution_queues"):
+        flat.update(status.get(key, {}))
+    for key in ("lock_busy", "ready", "parking"):
+        flat[key] = status.get(key, {})
+    return flat
