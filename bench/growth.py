@@ -15,13 +15,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Awaitable
 
 import asyncpg
 import orjson
 
 from bench.events import unique_event
 from bench.harness import DATABASE_URL, Isolation, LoadResult, cli, median, post_all
-from bench.measure import PressureMeter, Traced
+from bench.measure import Pressure, PressureMeter, Traced
 from bench.report import Report, Row
 from bench.service import Running, e2e, running, service_env, wait_traced, workload
 from evolution_ingest.stores.retention import Partition
@@ -91,6 +92,18 @@ async def fill(iso: Isolation, count: int, old: int) -> float:
     finally:
         await conn.close()
     return time.perf_counter() - started
+
+
+async def _metered(iso: Isolation, load: Awaitable[LoadResult]) -> tuple[LoadResult, Pressure]:
+    """``load`` run with what the machine and Postgres went through meanwhile."""
+    conn = await _connect(iso)
+    try:
+        meter = PressureMeter(conn.fetchrow)
+        await meter.start()
+        result = await load
+        return result, await meter.stop()
+    finally:
+        await conn.close()
 
 
 async def sizes(iso: Isolation) -> dict[str, object]:
@@ -191,10 +204,11 @@ async def growth(report: Report, n: int, offset: int, prefill: int, purged: int)
     try:
         async with running(empty_iso, "up", RETENTION_ENABLED="false") as service:
             bodies, keys = workload(offset, n)
-            empty = await post_all(service.urls, bodies, 64, 300)
+            empty, machine = await _metered(empty_iso, post_all(service.urls, bodies, 64, 300))
             await wait_traced(empty_iso, n, 60)
             report.rows.append(_row("growth: unique webhook events, empty inbox", n, empty,
-                                    Traced.read(empty_iso.trace_dir), keys, service))  # fmt: skip
+                                    Traced.read(empty_iso.trace_dir), keys, service,
+                                    note=machine.per_event(n)))  # fmt: skip
     finally:
         await empty_iso.cleanup()
 
@@ -209,11 +223,11 @@ async def growth(report: Report, n: int, offset: int, prefill: int, purged: int)
         took = await fill(iso, prefill, purged)
         async with running(iso, "up", RETENTION_ENABLED="false") as service:
             bodies, more = workload(offset + n, n)
-            full = await post_all(service.urls, bodies, 64, 300)
+            full, machine = await _metered(iso, post_all(service.urls, bodies, 64, 300))
             await wait_traced(iso, n, 60)
             report.rows.append(_row(f"growth: the same with {prefill:,} rows in the inbox", n, full,
                                     Traced.read(iso.trace_dir), more, service,
-                                    note=f"rows put in and vacuumed in {took:.0f} s"))  # fmt: skip
+                                    note=f"rows put in and vacuumed in {took:.0f} s; {machine.per_event(n)}"))  # fmt: skip
             measured = await sizes(iso)
 
             baselines, during = await _purge_rows(report, iso, service, offset + 2 * n, n, empty.rate / 2,

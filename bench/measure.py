@@ -115,11 +115,23 @@ class Pressure:
     io_stall_ms: float
     checkpoints: int
     checkpoint_sync_ms: float
+    wal_bytes: float = 0.0
+    full_page_images: int = 0
+    blocks_read: int = 0
 
     def __str__(self) -> str:
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
             f"{self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing)"
+        )
+
+    def per_event(self, events: int) -> str:
+        """What Postgres wrote and read per event over the window (the whole server's counters)."""
+        events = max(events, 1)
+        return (
+            f"WAL {self.wal_bytes / events / 1024:.1f} KiB per event "
+            f"({self.full_page_images / events:.2f} full-page images), "
+            f"{self.blocks_read / events:.2f} blocks read from outside shared buffers per event"
         )
 
 
@@ -132,7 +144,11 @@ def _stall_us(resource: str) -> float:
     return float(line.rsplit("total=", 1)[1])
 
 
-_CHECKPOINTS = "SELECT checkpoints_timed + checkpoints_req, checkpoint_sync_time FROM pg_stat_bgwriter"
+_POSTGRES = """
+SELECT b.checkpoints_timed + b.checkpoints_req, b.checkpoint_sync_time, w.wal_bytes, w.wal_fpi,
+       (SELECT sum(blks_read) FROM pg_stat_database)
+FROM pg_stat_bgwriter AS b, pg_stat_wal AS w
+"""
 
 
 class PressureMeter:
@@ -140,11 +156,11 @@ class PressureMeter:
 
     def __init__(self, fetchrow: Callable[[str], Any]) -> None:
         self._fetchrow = fetchrow
-        self._before: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
+        self._before: tuple[float, ...] = ()
 
-    async def _sample(self) -> tuple[float, float, int, float]:
-        record = await self._fetchrow(_CHECKPOINTS)
-        return _stall_us("cpu"), _stall_us("io"), int(record[0]), float(record[1])
+    async def _sample(self) -> tuple[float, ...]:
+        record = await self._fetchrow(_POSTGRES)
+        return _stall_us("cpu"), _stall_us("io"), *(float(value) for value in record)
 
     async def start(self) -> None:
         self._before = await self._sample()
@@ -152,9 +168,5 @@ class PressureMeter:
     async def stop(self) -> Pressure:
         after = await self._sample()
         before = self._before
-        return Pressure(
-            (after[0] - before[0]) / 1000,
-            (after[1] - before[1]) / 1000,
-            after[2] - before[2],
-            after[3] - before[3],
-        )
+        cpu, io, checkpoints, sync_ms, wal, fpi, read = (a - b for a, b in zip(after, before, strict=True))
+        return Pressure(cpu / 1000, io / 1000, int(checkpoints), sync_ms, wal, int(fpi), int(read))

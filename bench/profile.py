@@ -23,16 +23,20 @@ from bench.harness import Isolation, post_all
 from bench.service import publisher, running, wait_traced, workload
 
 #: (bucket, pattern on the frame's file), tried from the leaf towards the root of each stack.
+#: py-spy names a library's file from its package (``pika/channel.py``), without site-packages.
 BUCKETS = [
     ("HTTP server (uvicorn, httptools)", re.compile(r"uvicorn|httptools|h11")),
     ("ASGI framework (starlette)", re.compile(r"starlette")),
-    ("AMQP client (pika, aio-pika, aiormq, pamqp)", re.compile(r"/pika/|aio_pika|aiormq|pamqp")),
+    ("AMQP client (pika, aio-pika, aiormq, pamqp)", re.compile(r"(^|/)pika/|aio_pika|aiormq|pamqp")),
     ("Postgres driver (asyncpg)", re.compile(r"asyncpg")),
-    ("Redis client (redis-py)", re.compile(r"/redis/")),
-    ("logging (structlog)", re.compile(r"structlog|/logging/")),
+    ("Redis client (redis-py)", re.compile(r"(^|/)redis/")),
+    ("logging (structlog)", re.compile(r"structlog|(^|/)logging/")),
     ("service: identity and body", re.compile(r"evolution_ingest/core/(identity|codec|body|redaction)")),
     ("service: HTTP app", re.compile(r"evolution_ingest/channels/(webhook|http|auth)")),
-    ("service: RabbitMQ worker", re.compile(r"evolution_ingest/channels/(worker|messages|forward)")),
+    (
+        "service: RabbitMQ worker",
+        re.compile(r"evolution_ingest/channels/(worker|messages|forward|consumer|delivery|acks|topology)"),
+    ),
     ("service: ingestion core", re.compile(r"evolution_ingest/core/")),
     ("service: stores (inbox, locks, counters)", re.compile(r"evolution_ingest/stores/")),
     ("service: other", re.compile(r"evolution_ingest/|bench/handlers")),
