@@ -109,7 +109,8 @@ def percentile(values: list[float], p: float) -> float:
 @dataclass
 class Pressure:
     """What the machine went through over a window: time some task stalled waiting for a core or
-    for I/O (the kernel's pressure-stall information, /proc/pressure), and Postgres checkpoints."""
+    for I/O (the kernel's pressure-stall information, /proc/pressure), Postgres checkpoints, and
+    what Postgres wrote to its WAL and read from outside its buffers (the whole server's)."""
 
     cpu_stall_ms: float
     io_stall_ms: float
