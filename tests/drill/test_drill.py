@@ -24,7 +24,7 @@ from evolution_ingest.stores.queues import Topology
 from tests.conftest import DATABASE_URL, RABBITMQ_URL, REDIS_URL
 from tests.drill.conftest import EVENTS
 from tests.drill.harness import Count, Deployment, Evolution, deployed, replicas, send_all, settle
-from tests.support import running_server
+from tests.support import eventually, running_server
 from tests.support.evolution import broker, depth, remove, restart_rabbitmq
 from tests.support.fake_evolution import FakeEvolution, FakeInstance
 
@@ -168,9 +168,8 @@ async def test_both_channels_down_for_an_instance_then_back(
 
             async def both_down(_: Deployment) -> None:
                 evolution.down = True
-                await asyncio.sleep(
-                    EVENTS / RATE * 0.4
-                )  # wait-ok: both channels stay down for 40 % of the stream
+                # Both channels stay down while 40 % of the stream goes by (bounded by its length).
+                await eventually(lambda: evolution.missed >= EVENTS * 0.4, within=EVENTS / RATE)
                 evolution.down = False
 
             count = await run(deployment, evolution, trace, both_down)
