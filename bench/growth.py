@@ -98,10 +98,7 @@ async def _metered(iso: Isolation, load: Awaitable[LoadResult]) -> tuple[LoadRes
     """``load`` run with what the machine and Postgres went through meanwhile."""
     conn = await _connect(iso)
     try:
-        meter = PressureMeter(conn.fetchrow)
-        await meter.start()
-        result = await load
-        return result, await meter.stop()
+        return await PressureMeter(conn.fetchrow).during(load)
     finally:
         await conn.close()
 
@@ -154,9 +151,7 @@ async def _half_load(
 ) -> LoadResult:  # fmt: skip
     """One half-load run without a purge: a row of the report, with what the machine went through."""
     done = iso.traced()
-    await meter.start()
-    result = await post_all(service.urls, bodies, 256, 300, rate=rate)
-    machine = await meter.stop()
+    result, machine = await meter.during(post_all(service.urls, bodies, 256, 300, rate=rate))
     await wait_traced(iso, done + len(bodies), 60)
     report.rows.append(
         _row(name, len(bodies), result, Traced.read(iso.trace_dir), keys, service, note=str(machine))
@@ -180,9 +175,7 @@ async def _purge_rows(
             name = f"growth: at half load ({rate:,.0f}/s), no purge ({run} of 2 before)"
             baselines.append(await _half_load(report, iso, service, meter, bodies, calm, rate, name))
         done = iso.traced()
-        await meter.start()
-        during, keys, note = await _purge_under_load(iso, service, offset, rate)
-        machine = await meter.stop()
+        (during, keys, note), machine = await meter.during(_purge_under_load(iso, service, offset, rate))
         offset += len(keys)
         await wait_traced(iso, done + during.count, 120)
         report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count, during,

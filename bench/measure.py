@@ -4,10 +4,12 @@ machine's own stalls (CPU, I/O, Postgres checkpoints)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -116,9 +118,9 @@ class Pressure:
     io_stall_ms: float
     checkpoints: int
     checkpoint_sync_ms: float
-    wal_bytes: float = 0.0
-    full_page_images: int = 0
-    blocks_read: int = 0
+    wal_bytes: float
+    full_page_images: int
+    blocks_read: int
 
     def __str__(self) -> str:
         return (
@@ -171,3 +173,9 @@ class PressureMeter:
         before = self._before
         cpu, io, checkpoints, sync_ms, wal, fpi, read = (a - b for a, b in zip(after, before, strict=True))
         return Pressure(cpu / 1000, io / 1000, int(checkpoints), sync_ms, wal, int(fpi), int(read))
+
+    async def during(self, work: Awaitable[T]) -> tuple[T, Pressure]:
+        """``work``'s result, and what the machine went through while it ran."""
+        await self.start()
+        result = await work
+        return result, await self.stop()

@@ -138,9 +138,10 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
             meter = PressureMeter(conn.fetchrow)
             for run in range(runs):
                 bodies, keys = workload(offset + run * each, each)
-                await meter.start()
-                result = await post_all(service.urls, bodies, 256, 300, rate=full_rate / 2)
-                pressures.append(await meter.stop())
+                result, pressure = await meter.during(
+                    post_all(service.urls, bodies, 256, 300, rate=full_rate / 2)
+                )
+                pressures.append(pressure)
                 await wait_traced(iso, (run + 1) * each, 60)
                 results.append(result)
                 sent.update(zip(keys, result.sent_at, strict=True))
