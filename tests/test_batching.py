@@ -99,3 +99,34 @@ async def test_every_request_is_answered_under_concurrency(concurrency: int) -> 
     assert answers == [list(range(100 * c, 100 * c + 50)) for c in range(20)]
     assert batcher.items == 1000
     assert batcher.items / batcher.batches > 2, "requests were not grouped"
+
+
+async def test_a_lingering_batch_takes_what_is_submitted_during_its_linger() -> None:
+    batches: list[list[int]] = []
+
+    async def execute(items: list[int]) -> list[int]:
+        batches.append(items)
+        return items
+
+    batcher: Batcher[int, int] = Batcher(execute, max_concurrency=1, linger=0.05)
+    first = batcher.submit(0)
+    await asyncio.sleep(0)  # wait-ok: turns of the loop pass within the linger, each submitting more
+    second = batcher.submit(1)
+    await asyncio.sleep(0)  # wait-ok: as above
+    third = batcher.submit(2)
+    assert batches == []  # nothing ran yet: the batch is still gathering
+    assert await asyncio.gather(first, second, third) == [0, 1, 2]
+    assert batches == [[0, 1, 2]]
+
+
+async def test_a_lingering_batch_that_is_already_full_runs_at_once() -> None:
+    ran = asyncio.Event()
+
+    async def execute(items: list[int]) -> list[int]:
+        ran.set()
+        return items
+
+    batcher: Batcher[int, int] = Batcher(execute, max_size=3, linger=60)
+    results = [batcher.submit(n) for n in range(3)]
+    await asyncio.wait_for(ran.wait(), 5)  # a linger of a minute would time this out
+    assert await asyncio.gather(*results) == [0, 1, 2]

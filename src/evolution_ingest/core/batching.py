@@ -8,6 +8,11 @@ a request waits and joins the next batch, which takes everything waiting when a
 running one finishes. Under light load each request is its own batch (no added
 latency); under heavy load batches grow by themselves and one commit serves many events.
 
+Background work that nobody waits on (bookkeeping) may be given a ``linger``: its batch
+waits that long before taking what is waiting, so that a trickle of requests makes a few
+large statements instead of many of one. Each statement costs the client a round trip
+whatever its size, and at moderate load that, not the rows, is most of the cost.
+
 With a ``key``, a batch never holds two requests with the same key (a statement
 cannot update one row twice); a request whose key is already in the batch waits
 for the next one.
@@ -39,12 +44,14 @@ class Batcher(Generic[T, R]):
         max_size: int = 256,
         max_concurrency: int = 4,
         isolate: Callable[[BaseException], bool] | None = None,
+        linger: float = 0.0,
     ) -> None:
         self._execute = execute
         self._isolate = isolate
         self._key = key
         self._max_size = max_size
         self._max_concurrency = max_concurrency
+        self._linger = linger
         self._waiting: deque[tuple[T, asyncio.Future[R]]] = deque()
         self._running = 0
         #: A batch's task started but not yet run: it will take what is waiting.
@@ -99,6 +106,8 @@ class Batcher(Generic[T, R]):
         return batch
 
     async def _run(self) -> None:
+        if self._linger and len(self._waiting) < self._max_size:
+            await asyncio.sleep(self._linger)  # still pending: what is submitted meanwhile rides along
         self._pending = None
         batch = self._take()
         self._start()  # what this batch could not take (its size, a repeated key) may go at once

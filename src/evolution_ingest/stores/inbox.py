@@ -47,6 +47,9 @@ log = structlog.get_logger(__name__)
 __all__ = ["BODIES", "TABLE", "VIEW", "Claim", "PostgresInbox", "SavedRow"]
 
 _MAX_ERROR_CHARS: Final = 4000
+#: How long a batch of seen bookkeeping gathers before it runs: nobody waits on it, and
+#: one statement per 50 ms instead of one per loop turn costs far fewer round trips.
+_SEEN_LINGER: Final = 0.05
 _CHANNELS: Final = {channel.value: channel for channel in Channel}
 
 
@@ -152,6 +155,7 @@ class PostgresInbox:
             max_size=1000,
             max_concurrency=1,
             isolate=row_level,
+            linger=_SEEN_LINGER,
         )
 
     async def _batch(self, query: str, *args: Any) -> list[asyncpg.Record]:
