@@ -3,6 +3,7 @@ in ``status``, ``/metrics`` and the dashboard's data, with alerts raised once an
 
 from __future__ import annotations
 
+import asyncio
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -46,6 +47,64 @@ def test_uptime_is_the_share_of_the_known_window_spent_open() -> None:
     assert uptime(changes, NOW - timedelta(hours=24), NOW) == round(21 / 24, 4)
     assert uptime(changes[1:], NOW - timedelta(hours=24), NOW) == 0.5  # before the first state: not known
     assert uptime([], NOW - timedelta(hours=24), NOW) is None
+
+
+async def test_states_recorded_together_keep_the_changes_that_one_at_a_time_in_time_order_would(
+    open_runtime: OpenRuntime,
+) -> None:
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
+    minute = timedelta(minutes=1)
+    given = [  # (instance, minutes after `at`, state), in the order they arrive, all at once
+        ("one", 3, "close"), ("one", 1, "open"), ("one", 2, "open"), ("one", 1, "open"),
+        ("two", 1, "connecting"), ("one", 4, "close"), ("two", 2, "open"), ("one", 5, "open"),
+    ]  # fmt: skip
+    async with open_runtime() as runtime:
+        log = runtime.stores.connections
+        await log.record("one", at, "close", 428, "event")  # already kept: "one" starts closed
+        kept = await asyncio.gather(
+            *(log.record(instance, at + n * minute, state, None, "event") for instance, n, state in given)
+        )
+        assert log._records.batches < len(given)  # they did share statements
+        rows = await runtime.stores.db.fetch(
+            "SELECT instance, at, state FROM evolution_ingest_connection_states ORDER BY instance, at"
+        )
+    assert [(r["instance"], round((r["at"] - at) / minute), r["state"]) for r in rows] == [
+        ("one", 0, "close"), ("one", 1, "open"), ("one", 3, "close"), ("one", 5, "open"),
+        ("two", 1, "connecting"), ("two", 2, "open"),
+    ]  # fmt: skip
+    # Each call says whether its state was kept; of two equal ones, the first.
+    assert kept == [True, True, False, False, True, False, True, True]
+
+
+async def test_a_state_postgres_refuses_fails_alone_in_its_batch(open_runtime: OpenRuntime) -> None:
+    at = datetime.now(UTC).replace(microsecond=0)
+    async with open_runtime() as runtime:
+        log = runtime.stores.connections
+        outcomes = await asyncio.gather(
+            log.record("fine", at, "open", None, "event"),
+            log.record("bad", at, "open", 2**40, "event"),  # not an integer column's value
+            log.record("also-fine", at, "close", 401, "event"),
+            return_exceptions=True,
+        )
+    assert outcomes[0] is True
+    assert outcomes[2] is True
+    assert isinstance(outcomes[1], Exception)
+
+
+async def test_a_status_reason_no_column_can_hold_is_dropped_and_the_event_still_processed(
+    open_runtime: OpenRuntime, http: aiohttp.ClientSession
+) -> None:
+    at = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
+    async with open_runtime() as runtime, serving(runtime) as url:
+        body = _connection("close", 2**40, at, "acme-odd")
+        async with http.post(url, data=orjson.dumps(body)) as answer:
+            assert answer.status == 200
+            assert (await answer.json())["status"] == "processed"
+        row = await runtime.stores.db.fetchrow(
+            "SELECT state, reason FROM evolution_ingest_connection_states WHERE instance = 'acme-odd'"
+        )
+    assert row is not None
+    assert (row["state"], row["reason"]) == ("close", None)
 
 
 async def test_status_and_metrics_show_each_instance_and_alerts_are_raised_and_cleared_once(

@@ -40,6 +40,12 @@ class ConnectionObserver:
             event.instance,
             emitted_at(event, self._timezone),
             data["state"],
-            reason if isinstance(reason, int) and not isinstance(reason, bool) else None,
+            reason if _is_reason(reason) else None,
             "event",
         )
+
+
+def _is_reason(value: object) -> bool:
+    """A status code the log can hold (an ``integer`` column): anything else is dropped, not an
+    error that would fail the event's business logic on every retry."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any, Final
 
 from evolution_ingest.core import codec
-from evolution_ingest.stores.postgres import Postgres
+from evolution_ingest.core.batching import Batcher
+from evolution_ingest.stores.postgres import Postgres, row_level
 
 TABLE: Final = "evolution_ingest_connection_states"
 KEEP: Final = timedelta(days=8)
@@ -22,12 +23,30 @@ STATES: Final = ("open", "connecting", "close")
 LOGGED_OUT: Final = 401
 UPTIME_WINDOWS: Final = {"24h": timedelta(hours=24), "7d": timedelta(days=7)}
 
+# Several states in one statement (group commit). A state is kept when it differs from the one
+# before it: the table's latest at or before its time, or an earlier one of the same batch,
+# whichever is later. A state of the batch that is not kept equals the one before it, so
+# comparing with it answers as running the batch one state at a time, in time order, would.
 _RECORD: Final = f"""
+WITH given AS (
+    SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::int[], $5::text[])
+        WITH ORDINALITY AS g(instance, at, state, reason, source, n)
+), judged AS (
+    SELECT g.*, (
+        SELECT p.state FROM (
+            (SELECT c.at, 0::bigint AS n, c.state FROM {TABLE} AS c
+              WHERE c.instance = g.instance AND c.at <= g.at ORDER BY c.at DESC LIMIT 1)
+            UNION ALL
+            (SELECT e.at, e.n, e.state FROM given AS e
+              WHERE e.instance = g.instance AND (e.at, e.n) < (g.at, g.n) ORDER BY e.at DESC, e.n DESC LIMIT 1)
+        ) AS p ORDER BY p.at DESC, p.n DESC LIMIT 1
+    ) AS before
+    FROM given AS g
+)
 INSERT INTO {TABLE} (instance, at, state, reason, source)
-SELECT $1, $2, $3, $4, $5
- WHERE $3 IS DISTINCT FROM (SELECT state FROM {TABLE} WHERE instance = $1 AND at <= $2 ORDER BY at DESC LIMIT 1)
+SELECT instance, at, state, reason, source FROM judged WHERE state IS DISTINCT FROM before
 ON CONFLICT DO NOTHING
-RETURNING 1
+RETURNING instance, at, state
 """
 _TIMELINES: Final = f"""
 SELECT instance, at, state, reason FROM {TABLE}
@@ -84,16 +103,33 @@ def uptime(changes: list[tuple[datetime, str]], since: datetime, now: datetime) 
     return round(open_seconds / known, 4) if known else None
 
 
+_State = tuple[str, datetime, str, int | None, str]
+
+
 class ConnectionLog:
     def __init__(self, db: Postgres) -> None:
         self._db = db
+        # One batch at a time: a batch judges its states against what the previous one kept.
+        self._records: Batcher[_State, bool] = Batcher(
+            self._record_batch, max_concurrency=1, isolate=row_level
+        )
 
     async def record(self, instance: str, at: datetime, state: str, reason: int | None, source: str) -> bool:
         """Keep ``state`` if it is a change for ``instance`` at ``at``; True when it was."""
         if state not in STATES:
             return False
-        row = await self._db.fetchval(_RECORD, codec.label(instance), at, state, reason, source)
-        return row is not None
+        return await self._records((codec.label(instance), at, state, reason, source))
+
+    async def _record_batch(self, states: list[_State]) -> list[bool]:
+        kept = {
+            (r["instance"], r["at"], r["state"])
+            for r in await self._db.fetch(_RECORD, *(list(column) for column in zip(*states, strict=True)))
+        }
+        answers = []
+        for instance, at, state, _, _ in states:
+            answers.append((instance, at, state) in kept)
+            kept.discard((instance, at, state))  # the same state twice in a batch: kept once
+        return answers
 
     async def connections(self, now: datetime) -> list[Connection]:
         """Each instance's current state, since when, its last close and its uptimes."""
