@@ -22,8 +22,9 @@ from pathlib import Path
 
 from bench.ceilings import bare_http, raw_postgres, transport
 from bench.growth import growth
+from bench.latency import half_load
 from bench.report import Report, render
-from bench.scenarios import backlog, channel_scenario, half_load, soak, webhook_scenarios
+from bench.scenarios import backlog, channel_scenario, soak, webhook_scenarios
 from bench.service import workload
 
 

@@ -64,11 +64,12 @@ async def raw_postgres(bodies: Sequence[bytes], concurrency: int = 64) -> float:
         await pool.close()
 
 
-async def bare_http(bodies: Sequence[bytes]) -> LoadResult:
+async def bare_http(bodies: Sequence[bytes], rate: float = 0.0, concurrency: int = 64) -> LoadResult:
+    """The bare endpoint under the load generator: as fast as it answers, or open loop at ``rate``."""
     port = free_port()
     async with process([sys.executable, "-m", "bench.bare", str(port)], dict(os.environ), "bare endpoint"):
         await wait_http(f"http://127.0.0.1:{port}/healthz")
-        return await post_all(f"http://127.0.0.1:{port}/bare", bodies, 64, 120)
+        return await post_all(f"http://127.0.0.1:{port}/bare", bodies, concurrency, 120, rate=rate)
 
 
 async def transport(n: int, offset: int, *, lean: bool = False) -> float:
