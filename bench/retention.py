@@ -26,7 +26,7 @@ import asyncpg
 import orjson
 
 from bench.events import unique_event
-from bench.harness import DATABASE_URL, Isolation, cli, free_port, process, table, wait_http
+from bench.harness import DATABASE_URL, Inflight, Isolation, cli, free_port, frozen, process, table, wait_http
 from bench.measure import percentile
 from bench.service import service_env
 from evolution_ingest.config import Settings
@@ -60,15 +60,16 @@ async def paced(
                 await r.read()
             results.append((sent, (time.perf_counter() - began) * 1000, r.status))
 
-        started, tasks = time.perf_counter(), []
-        for n in range(count):
-            if stop is not None and stop.is_set():
-                break
-            delay = started + n / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(n)))
-        await asyncio.gather(*tasks)
+        started, inflight = time.perf_counter(), Inflight()
+        with frozen():
+            for n in range(count):
+                if stop is not None and stop.is_set():
+                    break
+                delay = started + n / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                inflight.start(send(n))
+            await inflight.wait()
     return results
 
 
