@@ -14,8 +14,9 @@ from bench.harness import free_port, post_all
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, list[int]]]:
     """A loopback endpoint that answers 200, or drops the connection for a body of ``b"drop"``;
-    for a body of ``b"count"`` it notes how many tasks the process still holds (after a full
-    collection: what every later full pass would have to scan)."""
+    for a body of ``b"count"`` it notes how many finished tasks the process still holds (after a
+    full collection: what every later full pass would have to scan). It lets the loop run for
+    50 ms first: a task that has just finished is let go by a callback of the loop's next turn."""
     held: list[int] = []
 
     async def answer(request: web.Request) -> web.StreamResponse:
@@ -24,8 +25,9 @@ async def server() -> AsyncIterator[tuple[str, list[int]]]:
             assert request.transport is not None
             request.transport.close()
         if body == b"count":
+            await asyncio.sleep(0.05)  # wait-ok: the turns in which just-finished tasks are let go
             gc.collect()
-            held.append(sum(1 for o in gc.get_objects() if isinstance(o, asyncio.Task)))
+            held.append(sum(1 for o in gc.get_objects() if isinstance(o, asyncio.Task) and o.done()))
         return web.Response(text="ok")
 
     app = web.Application()
