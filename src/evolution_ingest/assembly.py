@@ -16,7 +16,7 @@ import structlog
 
 from evolution_ingest.channels.backfill import Backfiller, InstanceReport
 from evolution_ingest.channels.backfill_schedule import BackfillScheduler, api_for, senders
-from evolution_ingest.channels.forward import HttpForwarder
+from evolution_ingest.channels.forward import FORWARD_BATCH_BYTES, HttpForwarder
 from evolution_ingest.channels.http import create_app
 from evolution_ingest.channels.reconciler import Reconciler
 from evolution_ingest.channels.topology import declare
@@ -77,6 +77,8 @@ async def forwarding(runtime: Runtime, *, webhook_here: bool) -> AsyncIterator[N
         require_secret(settings),
         timeout=settings.forward_timeout_seconds,
         concurrency=max(settings.worker_concurrency, settings.reconcile_concurrency),
+        batch_max=settings.forward_batch_max,
+        batch_bytes=min(FORWARD_BATCH_BYTES, settings.max_body_bytes),
     )
     runtime.ingestion.forward_with(forwarder)
     try:

@@ -23,8 +23,9 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from evolution_ingest.channels.answers import JsonAnswer
 from evolution_ingest.channels.auth import JWT_MIN_KEY_BYTES, EvolutionAuth
-from evolution_ingest.channels.webhook import WEBHOOK_PATH, JsonAnswer, WebhookApp
+from evolution_ingest.channels.webhook import WEBHOOK_PATH, WebhookApp
 from evolution_ingest.config import Settings
 from evolution_ingest.core.ingestion import Ingestion
 from evolution_ingest.stores.refusals import RefusalLog

@@ -5,13 +5,16 @@ processed or skipped (with the reason); 400 malformed JSON or not an Evolution e
 401 refused (no or wrong credentials); 422 an event that can never be accepted (too
 large, too many keys, nested too deeply, a row Postgres cannot store); 409 a forward
 for an event with no inbox row; 500 a handler failed (the event stays saved and will
-be retried); 503 Postgres unreachable, with ``Retry-After``. Every 4xx but 409 keeps
+be retried); 503 Postgres unreachable, with ``Retry-After``. A batch of forwards
+(:mod:`evolution_ingest.channels.batched`) is answered 200 with a line per entry, each the
+status and body that entry would have had alone. Every 4xx but 409 keeps
 the refused body (:mod:`evolution_ingest.stores.refusals`) before it is answered: when that
 cannot be written, the answer is 503 so that Evolution sends the body again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -21,16 +24,16 @@ from typing import Any, Final
 
 import structlog
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive as AsgiReceive
-from starlette.types import Scope, Send
+from starlette.types import Scope
 
+from evolution_ingest.channels.answers import Answer, JsonAnswer, StreamedForwards, answer_for
 from evolution_ingest.channels.auth import (
     DEDUP_KEY_HEADER,
     INTERNAL_SECRET_HEADER,
-    OUTCOME_HEADER,
     EvolutionAuth,
     internal_refusal,
 )
+from evolution_ingest.channels.batched import BATCH_HEADER, FORWARDS_TYPE, parse_forwards
 from evolution_ingest.config import Settings
 from evolution_ingest.core import codec
 from evolution_ingest.core.body import BodyRejected, load_body, too_large
@@ -53,7 +56,7 @@ _UNACCEPTABLE: Final = frozenset({"too_deep", "unstorable"})
 #: The headers every call is read for, found in one pass over the ASGI scope's list (auth, when
 #: on, reads the headers it needs itself).
 _WANTED: Final = frozenset(
-    name.encode() for name in ("content-length", INTERNAL_SECRET_HEADER, DEDUP_KEY_HEADER, INSTANCE_ID_HEADER,
+    name.encode() for name in ("content-length", "content-type", INTERNAL_SECRET_HEADER, DEDUP_KEY_HEADER, INSTANCE_ID_HEADER,
                                SOURCE_HEADER)
 )  # fmt: skip
 
@@ -78,27 +81,6 @@ class _Refused(Exception):
         self.counter = counter
         #: The body as received (its first REFUSAL_MAX_BYTES when it was too large).
         self.raw = raw
-
-
-class JsonAnswer:
-    """A JSON response as two ASGI messages: built for every event, so kept minimal."""
-
-    __slots__ = ("body", "headers", "status")
-
-    def __init__(
-        self, status: int, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
-    ) -> None:
-        self.status = status
-        self.body = codec.dumps(payload)
-        self.headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(self.body)).encode()),
-            *((name.lower().encode(), value.encode()) for name, value in (headers or {}).items()),
-        ]
-
-    async def __call__(self, scope: Scope, receive: AsgiReceive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +127,33 @@ class WebhookApp:
         level = logging.INFO if settings.log_outcomes else logging.DEBUG
         #: Whether outcome lines pass the log level: when not, not even their fields are built.
         self._log_outcomes = logging.getLevelName(settings.log_level.upper()) <= level
+        #: Entries of batched forwards still running.
+        self._running: set[asyncio.Task[Any]] = set()
 
-    async def receive(self, request: Request) -> JsonAnswer:
+    async def receive(self, request: Request) -> Answer:
+        """Answer one call: an event, a forward, or a batch of forwards (streamed)."""
+        headers = _headers(request.scope)
+        if headers.get("content-type") == FORWARDS_TYPE:
+            return await self._forwards(request, headers)
+        return await self._guarded(request, headers, None)
+
+    async def _guarded(self, request: Request, headers: Mapping[str, str], raw: bytes | None) -> JsonAnswer:
         try:
-            return await self._receive(request)
+            return await self._receive(request, headers, raw)
         except Exception:  # the edge: log with the traceback, count, answer 5xx (Evolution retries)
             self._counters.incr(f"{_CHANNEL}:errors")
             log.exception("unexpected error while ingesting", path=self._redact_url(request.url.path))
             return JsonAnswer(500, {"error": "internal error; the event was not acknowledged"})
 
-    async def _receive(self, request: Request) -> JsonAnswer:
+    async def _receive(self, request: Request, headers: Mapping[str, str], body: bytes | None) -> JsonAnswer:
+        """One call; ``body``: one entry of a batch of forwards (read already, a forward only)."""
         started = time.perf_counter()
         channel = _CHANNEL
-        raw = b""
+        raw = body or b""
         try:
-            headers = _headers(request.scope)
-            raw = await self._body(request, headers)
-            call = self._read(request, raw, headers)
+            if body is None:
+                raw = await self._body(request, headers)
+            call = self._read(request, raw, headers, forward_only=body is not None)
             channel = INTERNAL if call.internal else _CHANNEL
             result = await self._ingestion.ingest(
                 RunSaved(call.envelope) if call.internal else Receive(call.envelope)
@@ -180,7 +172,48 @@ class WebhookApp:
         self._counters.observe("webhook_seconds", elapsed)
         if self._log_outcomes:
             self._log_outcome(call, result, channel, elapsed)
-        return self._answer(result)
+        return answer_for(result)
+
+    async def _forwards(self, request: Request, headers: Mapping[str, str]) -> Answer:
+        """A batch of forwards (:mod:`~evolution_ingest.channels.batched`): each entry runs as if
+        it had come alone, and is answered as soon as it has ended."""
+        try:
+            answer = await self._batch(request, headers)
+        except Exception:  # the edge, as for one call: nothing of the batch was run
+            self._counters.incr(f"{_CHANNEL}:errors")
+            log.exception("unexpected error while reading a batch of forwards")
+            answer = JsonAnswer(500, {"error": "internal error; the forwards were not acknowledged"})
+        if isinstance(answer, JsonAnswer):  # refused whole: the forwarder knows it was read as a batch
+            answer.headers.append((BATCH_HEADER.encode(), b"1"))
+        return answer
+
+    async def _batch(self, request: Request, headers: Mapping[str, str]) -> Answer:
+        raw = b""
+        try:
+            raw = await self._body(request, headers)
+            refusal = internal_refusal(self._secret, headers.get(INTERNAL_SECRET_HEADER))
+            if refusal:
+                raise _Refused(401, refusal, "unauthorized", f"{INTERNAL}:unauthorized")
+            entries = parse_forwards(raw)
+            if not entries:
+                raise _Refused(400, "an empty batch of forwards", "bad_forward")
+        except _Refused as refused:
+            return await self._refuse(refused, request, raw or refused.raw)
+        except ClientDisconnect:
+            return JsonAnswer(400, {"error": "the client went away"})
+        return StreamedForwards(
+            [self._entry(request, headers, key, body) for key, body in entries], self._running
+        )
+
+    async def _entry(
+        self, request: Request, headers: Mapping[str, str], key: str | None, body: bytes
+    ) -> JsonAnswer:
+        if key is None:  # a line that is not "<key> <body>": this entry alone is refused
+            raw = body
+            return await self._refuse(
+                _Refused(400, "a batched forward is '<dedup key> <JSON body>'", "bad_forward"), request, raw
+            )
+        return await self._guarded(request, {**headers, DEDUP_KEY_HEADER: key}, body)
 
     def _log_outcome(self, call: _Call, result: Result, channel: str, elapsed: float) -> None:
         getattr(log, self._outcome_level)(
@@ -221,12 +254,18 @@ class WebhookApp:
             refused.status, {"error": refused.reason, "code": refused.code, "refusal_id": refusal_id}
         )
 
-    def _read(self, request: Request, raw: bytes, headers: Mapping[str, str]) -> _Call:
+    def _read(
+        self, request: Request, raw: bytes, headers: Mapping[str, str], *, forward_only: bool = False
+    ) -> _Call:
         try:
             body = load_body(raw, max_bytes=self._max_body, max_keys=self._max_keys)
         except BodyRejected as exc:
             raise _Refused(exc.status, exc.reason, exc.code) from None
         internal = _is_forward(body)
+        if forward_only and not internal:
+            raise _Refused(
+                400, "a batch of forwards holds forwards only (already_saved: true)", "bad_forward"
+            )
         if internal:
             refusal = internal_refusal(self._secret, headers.get(INTERNAL_SECRET_HEADER))
             if refusal:
@@ -289,31 +328,3 @@ class WebhookApp:
             if not message.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def _answer(self, result: Result) -> JsonAnswer:
-        """The HTTP answer of a result; its outcome also in a header, for the forwarder."""
-        key = result.dedup_key
-        said = {OUTCOME_HEADER: result.outcome.value}
-        match result.outcome:
-            case Outcome.PROCESSED:
-                return JsonAnswer(200, {"status": "processed", "dedup_key": key}, said)
-            case Outcome.DUPLICATE | Outcome.LOCKED:
-                return JsonAnswer(
-                    200, {"status": "skipped", "reason": result.outcome.value, "dedup_key": key}, said
-                )
-            case Outcome.FAILED:
-                failed = {
-                    "status": "failed",
-                    "error": "business logic failed; the event is saved and will be retried",
-                    "detail": (result.error or "")[:500],
-                    "dedup_key": key,
-                }
-                return JsonAnswer(500, failed, said)
-            case Outcome.NOT_FOUND:
-                missing = {
-                    "error": "no inbox row for this event: a forward must follow a save",
-                    "dedup_key": key,
-                }
-                return JsonAnswer(409, missing, said)
-            case _:  # a Receive or a RunSaved answers nothing else
-                raise AssertionError(f"unexpected outcome {result.outcome}")

@@ -78,6 +78,13 @@ class RabbitSettings(BaseModel):
     forward_timeout_seconds: float = Field(
         default=30.0, gt=0, description="A forward slower than this fails (the next retry tier)."
     )
+    forward_batch_max: int = Field(
+        default=64,
+        ge=1,
+        le=1_000,
+        description="Forwards made together go in one request, at most this many (each answered as it ends); "
+        "1: one request per forward.",
+    )
     shutdown_timeout_seconds: float = Field(
         default=30.0, gt=0, description="How long a stopping process waits for work in flight."
     )
