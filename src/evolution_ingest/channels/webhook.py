@@ -209,9 +209,8 @@ class WebhookApp:
         self, request: Request, headers: Mapping[str, str], key: str | None, body: bytes
     ) -> JsonAnswer:
         if key is None:  # a line that is not "<key> <body>": this entry alone is refused
-            raw = body
             return await self._refuse(
-                _Refused(400, "a batched forward is '<dedup key> <JSON body>'", "bad_forward"), request, raw
+                _Refused(400, "a batched forward is '<dedup key> <JSON body>'", "bad_forward"), request, body
             )
         return await self._guarded(request, {**headers, DEDUP_KEY_HEADER: key}, body)
 
