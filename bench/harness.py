@@ -260,20 +260,30 @@ class Inflight:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: list[BaseException] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def start(self, request: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(request)
         self._tasks.add(task)
+        self._idle.clear()
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             self._failed.append(error)
+        if not self._tasks:
+            self._idle.set()
 
     async def wait(self) -> None:
-        """Until every request has finished; the first error of any, raised."""
-        await asyncio.gather(*self._tasks)
+        """Until every request has finished; the first error of any, raised.
+
+        Waits on an event, not on ``gather``: gather holds every task it was given until the last
+        one ends, and a sender that fell behind its schedule still has most of the run queued when
+        it gets here, so the whole backlog would stay alive to the end of the run.
+        """
+        await self._idle.wait()
         if self._failed:
             raise self._failed[0]
 
