@@ -1,8 +1,9 @@
 """Where the service's CPU goes: ``py-spy record`` of the ``up`` process under the dual-channel load.
 
-    .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--out DIR]
+    .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--webhook-only] [--out DIR]
 
-Runs the "both channels (up)" scenario once with py-spy sampling the service, then prints the
+Runs the "both channels (up)" scenario once (with ``--webhook-only``, the "webhook only, unique
+events" scenario: no RabbitMQ copies) with py-spy sampling the service, then prints the
 share of its samples by where the leaf-most known frame lives (HTTP server, AMQP client,
 asyncpg, redis-py, the service's own modules, the event loop …). The collapsed stacks stay in
 ``--out`` (``profile.txt``) for a flame graph (``py-spy`` can also write SVG: see its docs).
@@ -72,7 +73,10 @@ async def main(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     iso = Isolation()
     try:
-        async with running(iso, "up") as service, publisher(iso, offset, n, args.rate) as go:
+        async with (
+            running(iso, "up") as service,
+            publisher(iso, offset, 0 if args.webhook_only else n, args.rate) as go,
+        ):
             spy = await asyncio.create_subprocess_exec(
                 str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(service.pids[0]), "--format", "raw",
                 "--rate", "200", "--output", str(out / "profile.txt"), "--nonblocking",
@@ -86,7 +90,8 @@ async def main(args: argparse.Namespace) -> None:
         await iso.cleanup()
     counted = shares((out / "profile.txt").read_text(encoding="utf-8"))
     total = sum(c for _, c in counted) or 1
-    print(f"py-spy samples of the up process, {n:,} events on both channels: {total:,}")
+    channels = "by webhook only" if args.webhook_only else "on both channels"
+    print(f"py-spy samples of the up process, {n:,} events {channels}: {total:,}")
     for name, count in counted:
         print(f"  {100 * count / total:5.1f} %  {name}")
 
@@ -98,6 +103,9 @@ if __name__ == "__main__":
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument(
         "--rate", type=float, default=0.0, help="events/s of each channel (0: as fast as it goes)"
+    )
+    parser.add_argument(
+        "--webhook-only", action="store_true", help="unique events by webhook, no RabbitMQ copies"
     )
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "evolution-ingest-profile")
     if sys.platform != "linux":
