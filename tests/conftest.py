@@ -101,6 +101,11 @@ async def settings(
         await conn.execute(f'DROP SCHEMA IF EXISTS "test_{uid}" CASCADE')
     finally:
         await conn.close()
+    await remove_redis_keys(uid)
+
+
+async def remove_redis_keys(uid: str) -> None:
+    """Every Redis key of the test ``uid`` (locks, seen marks, counters)."""
     redis = Redis.from_url(REDIS_URL)
     try:
         keys = [key async for key in redis.scan_iter(match=f"test:{uid}:*", count=1000)]

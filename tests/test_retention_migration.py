@@ -22,7 +22,7 @@ from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import migrations, run_migrations
 from evolution_ingest.stores.inbox import VIEW
 from evolution_ingest.stores.postgres import init_connection
-from tests.conftest import DATABASE_URL, serving
+from tests.conftest import DATABASE_URL, remove_redis_keys, serving
 from tests.support import Recorder, fixtures
 from tests.test_reconciler import reconciler_for
 
@@ -33,7 +33,8 @@ OLD_ROWS = 20_000
 async def old_layout(
     make_settings: Callable[..., Settings], uid: str
 ) -> AsyncIterator[tuple[Settings, asyncpg.Connection]]:
-    """A schema at migration 0005 (the layout before partitioned bodies)."""
+    """A schema at migration 0005 (the layout before partitioned bodies); the schema and the
+    test's Redis keys are removed after the test."""
     settings = make_settings(retention_bodies_seconds=86_400.0)
     conn = await asyncpg.connect(DATABASE_URL)
     await migrations.migrate(conn, settings.database_schema, upto=5)
@@ -44,6 +45,7 @@ async def old_layout(
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{settings.database_schema}" CASCADE')
         await conn.close()
+        await remove_redis_keys(uid)
 
 
 async def test_a_populated_inbox_moves_without_a_rewrite_and_loses_nothing(
