@@ -18,11 +18,13 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench.harness import Isolation, post_all
 from bench.service import publisher, running, wait_traced, workload
 
+SAMPLES_PER_SECOND = 200
 #: (bucket, pattern on the frame's file), tried from the leaf towards the root of each stack.
 #: py-spy names a library's file from its package (``pika/channel.py``), without site-packages.
 BUCKETS = [
@@ -79,11 +81,13 @@ async def main(args: argparse.Namespace) -> None:
         ):
             spy = await asyncio.create_subprocess_exec(
                 str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(service.pids[0]), "--format", "raw",
-                "--rate", "200", "--output", str(out / "profile.txt"), "--nonblocking",
+                "--rate", str(SAMPLES_PER_SECOND), "--output", str(out / "profile.txt"), "--nonblocking",
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
+            started = time.perf_counter()
             await asyncio.gather(post_all(service.urls, bodies, 64, 300, rate=args.rate), go())
             await wait_traced(iso, n, 300)
+            elapsed = time.perf_counter() - started
             spy.send_signal(signal.SIGINT)
             await asyncio.wait_for(spy.wait(), 60)
     finally:
@@ -92,6 +96,12 @@ async def main(args: argparse.Namespace) -> None:
     total = sum(c for _, c in counted) or 1
     channels = "by webhook only" if args.webhook_only else "on both channels"
     print(f"py-spy samples of the up process, {n:,} events {channels}: {total:,}")
+    # py-spy leaves out the samples where the process waits (no --idle): samples are CPU time.
+    cpu = total / SAMPLES_PER_SECOND
+    print(
+        f"  {cpu:.1f} s of CPU over {elapsed:.1f} s of load ({100 * cpu / elapsed:.0f} % of one core), "
+        f"{1000 * cpu / n:.2f} ms per event"
+    )
     for name, count in counted:
         print(f"  {100 * count / total:5.1f} %  {name}")
 
