@@ -13,11 +13,13 @@ from bench.harness import free_port, post_all
 
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, list[int]]]:
-    """A loopback endpoint that answers 200, or drops the connection for a body of ``b"drop"``;
-    for a body of ``b"slow"`` it answers after 20 ms (16 connections then carry at most 800 a
-    second, so a faster open-loop sender falls behind its schedule); for ``b"count"`` it notes how many finished tasks the process still holds (after a
-    full collection: what every later full pass would have to scan). It lets the loop run for
-    50 ms first: a task that has just finished is let go by a callback of the loop's next turn."""
+    """A loopback endpoint that answers 200, or drops the connection for a body of ``b"drop"``.
+
+    For ``b"slow"`` it answers after 20 ms (16 connections then carry at most 800 a second, so a
+    faster open-loop sender falls behind its schedule). For ``b"count"`` it notes how many
+    finished tasks the process still holds (after a full collection: what every later full pass
+    would have to scan); it lets the loop run for 50 ms first, since a task that has just finished
+    is let go by a callback of the loop's next turn."""
     held: list[int] = []
 
     async def answer(request: web.Request) -> web.StreamResponse:
