@@ -37,7 +37,8 @@ async def main(args: argparse.Namespace) -> Report:
     report.ceilings[
         "raw Postgres: INSERT … ON CONFLICT + UPDATE per event, 64 in flight"
     ] = await raw_postgres(bodies)
-    bare = await bare_http(bodies)
+    bare_cpu: dict[str, float] = {}
+    bare = await bare_http(bodies, cpu=bare_cpu)
     report.ceilings["bare HTTP endpoint parsing the JSON (same server stack, same load generator)"] = (
         bare.rate
     )
@@ -126,6 +127,8 @@ async def main(args: argparse.Namespace) -> Report:
             bare.rate > 2 * unique_rate,
         )
     )
+    # The other side of the webhook target, in the CPU table under the unique webhook events.
+    report.cpu["for reference: the bare HTTP endpoint (its server under service)"] = bare_cpu
     await backlog(report, args.backlog, next(offsets))
     await growth(report, n, next(offsets), args.prefill, args.purge)
     await soak(report, args.soak, next(offsets))

@@ -22,6 +22,7 @@ from bench.harness import (
     process,
     wait_http,
 )
+from bench.measure import machine_meter
 from bench.service import EVENTS, publisher, workload
 from evolution_ingest.core.identity import parse_envelope
 
@@ -68,12 +69,23 @@ async def raw_postgres(bodies: Sequence[bytes], concurrency: int = 64) -> float:
         await pool.close()
 
 
-async def bare_http(bodies: Sequence[bytes], rate: float = 0.0, concurrency: int = 64) -> LoadResult:
-    """The bare endpoint under the load generator: as fast as it answers, or open loop at ``rate``."""
+async def bare_http(
+    bodies: Sequence[bytes], rate: float = 0.0, concurrency: int = 64, cpu: dict[str, float] | None = None
+) -> LoadResult:
+    """The bare endpoint under the load generator: as fast as it answers, or open loop at ``rate``.
+
+    ``cpu``: filled with the ms of CPU per request of each group of the CPU table (the endpoint's
+    server under "service")."""
     port = free_port()
-    async with process([sys.executable, "-m", "bench.bare", str(port)], dict(os.environ), "bare endpoint"):
+    command = [sys.executable, "-m", "bench.bare", str(port)]
+    async with process(command, dict(os.environ), "bare endpoint") as server:
         await wait_http(f"http://127.0.0.1:{port}/healthz")
-        return await post_all(f"http://127.0.0.1:{port}/bare", bodies, concurrency, 120, rate=rate)
+        meter = machine_meter(lambda: [server.pid])
+        meter.start()
+        result = await post_all(f"http://127.0.0.1:{port}/bare", bodies, concurrency, 120, rate=rate)
+        if cpu is not None and result.count:
+            cpu.update({k: v / result.count * 1000 for k, v in meter.stop().items()})
+        return result
 
 
 async def transport(n: int, offset: int, *, lean: bool = False) -> float:

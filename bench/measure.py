@@ -68,6 +68,11 @@ class CpuMeter:
         return used
 
 
+def machine_meter(service: Callable[[], Iterable[int]]) -> CpuMeter:
+    """The groups of the CPU table: ``service``, this process (the load generator), the stores."""
+    return CpuMeter({"service": service, "load generator": lambda: [os.getpid()], **infrastructure()})
+
+
 def infrastructure() -> dict[str, Callable[[], Iterable[int]]]:
     return {
         "RabbitMQ": lambda: pids_named("beam.smp"),

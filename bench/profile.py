@@ -1,12 +1,14 @@
-"""Where the service's CPU goes: ``py-spy record`` of the ``up`` process under the dual-channel load.
+"""Where the service's CPU goes: ``py-spy record`` of its processes under the dual-channel load.
 
-    .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--webhook-only] [--out DIR]
+    .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--layout up|split]
+                                      [--webhook-only] [--out DIR]
 
-Runs the "both channels (up)" scenario once (with ``--webhook-only``, the "webhook only, unique
-events" scenario: no RabbitMQ copies) with py-spy sampling the service, then prints the
-share of its samples by where the leaf-most known frame lives (HTTP server, AMQP client,
-asyncpg, redis-py, the service's own modules, the event loop …). The collapsed stacks stay in
-``--out`` (``profile.txt``) for a flame graph (``py-spy`` can also write SVG: see its docs).
+Runs the "both channels (up)" scenario once (``--layout split``: serve, worker and reconcile
+apart; ``--webhook-only``: unique events by webhook, no RabbitMQ copies) with py-spy sampling
+each service process, then prints each one's CPU and the share of its samples by where the
+leaf-most known frame lives (HTTP server, AMQP client, asyncpg, redis-py, the service's own
+modules, the event loop …). The collapsed stacks stay in ``--out`` (``profile-<process>.txt``)
+for a flame graph (``py-spy`` can also write SVG: see its docs).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.harness import Isolation, post_all
+from bench.measure import cpu_seconds
 from bench.service import publisher, running, wait_traced, workload
 
 SAMPLES_PER_SECOND = 200
@@ -73,37 +76,50 @@ async def main(args: argparse.Namespace) -> None:
     bodies, _ = workload(offset, n)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    names = ["up"] if args.layout == "up" else ["serve", "worker", "reconcile"]
     iso = Isolation()
     try:
         async with (
-            running(iso, "up") as service,
+            running(iso, args.layout) as service,
             publisher(iso, offset, 0 if args.webhook_only else n, args.rate) as go,
         ):
-            spy = await asyncio.create_subprocess_exec(
-                str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(service.pids[0]), "--format", "raw",
-                "--rate", str(SAMPLES_PER_SECOND), "--output", str(out / "profile.txt"), "--nonblocking",
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
+            spies = [
+                await _spy(pid, out / f"profile-{name}.txt")
+                for name, pid in zip(names, service.pids, strict=True)
+            ]
             started = time.perf_counter()
+            before = [cpu_seconds(pid) for pid in service.pids]
             await asyncio.gather(post_all(service.urls, bodies, 64, 300, rate=args.rate), go())
             await wait_traced(iso, n, 300)
+            used = [cpu_seconds(pid) - at_start for pid, at_start in zip(service.pids, before, strict=True)]
             elapsed = time.perf_counter() - started
-            spy.send_signal(signal.SIGINT)
-            await asyncio.wait_for(spy.wait(), 60)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                await asyncio.wait_for(spy.wait(), 60)
     finally:
         await iso.cleanup()
-    counted = shares((out / "profile.txt").read_text(encoding="utf-8"))
-    total = sum(c for _, c in counted) or 1
     channels = "by webhook only" if args.webhook_only else "on both channels"
-    print(f"py-spy samples of the up process, {n:,} events {channels}: {total:,}")
-    # py-spy leaves out the samples where the process waits (no --idle): samples are CPU time.
-    cpu = total / SAMPLES_PER_SECOND
-    print(
-        f"  {cpu:.1f} s of CPU over {elapsed:.1f} s of load ({100 * cpu / elapsed:.0f} % of one core), "
-        f"{1000 * cpu / n:.2f} ms per event"
-    )
-    for name, count in counted:
-        print(f"  {100 * count / total:5.1f} %  {name}")
+    print(f"{n:,} events {channels}, {elapsed:.1f} s of load")
+    for name, cpu in zip(names, used, strict=True):
+        counted = shares((out / f"profile-{name}.txt").read_text(encoding="utf-8"))
+        total = sum(c for _, c in counted) or 1
+        # The CPU is the kernel's count. py-spy's samples give only the shares: it counts a thread
+        # that waits for a core as busy, so on a loaded machine they add up to more than the CPU.
+        print(
+            f"the {name} process: {cpu:.1f} s of CPU ({100 * cpu / elapsed:.0f} % of one core), "
+            f"{1000 * cpu / n:.2f} ms per event; {total:,} py-spy samples"
+        )
+        for bucket, count in counted:
+            print(f"  {100 * count / total:5.1f} %  {bucket}")
+
+
+async def _spy(pid: int, output: Path) -> asyncio.subprocess.Process:
+    """``py-spy record`` of one process, until it is sent SIGINT."""
+    return await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--format", "raw",
+        "--rate", str(SAMPLES_PER_SECOND), "--output", str(output), "--nonblocking",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -113,6 +129,12 @@ if __name__ == "__main__":
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument(
         "--rate", type=float, default=0.0, help="events/s of each channel (0: as fast as it goes)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=["up", "split"],
+        default="up",
+        help="one up process, or serve + worker + reconcile",
     )
     parser.add_argument(
         "--webhook-only", action="store_true", help="unique events by webhook, no RabbitMQ copies"

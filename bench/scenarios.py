@@ -13,7 +13,7 @@ from bench.harness import (
     cli,
     post_all,
 )
-from bench.measure import CpuMeter, Traced, infrastructure, status_mb
+from bench.measure import Traced, machine_meter, status_mb
 from bench.report import Report, Row
 from bench.service import (
     Running,
@@ -52,8 +52,11 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
     iso = Isolation()
     try:
         async with running(iso, "up") as service:
+            meter = machine_meter(lambda: service.pids)
+            meter.start()
             unique = await post_all(service.urls, bodies, 64, 300)
             await wait_traced(iso, n, 60)
+            report.cpu["webhook only, unique events"] = {k: v / n * 1000 for k, v in meter.stop().items()}
             traced = Traced.read(iso.trace_dir)
             sent = dict(zip(keys, unique.sent_at, strict=True))
             report.rows.append(
@@ -119,9 +122,7 @@ async def channel_scenario(
     iso = Isolation()
     try:
         async with running(iso, layout, replicas) as service, publisher(iso, offset, n, rate) as go:
-            meter = CpuMeter(
-                {"service": lambda: service.pids, "load generator": lambda: [os.getpid()], **infrastructure()}
-            )
+            meter = machine_meter(lambda: service.pids)
             meter.start()
             children = _children_cpu()
             webhook: LoadResult | None = None
