@@ -84,7 +84,7 @@ async def bare_http(
         meter.start()
         result = await post_all(f"http://127.0.0.1:{port}/bare", bodies, concurrency, 120, rate=rate)
         if cpu is not None and result.count:
-            cpu.update({k: v / result.count * 1000 for k, v in meter.stop().items()})
+            cpu.update(meter.stop_per(result.count))
         return result
 
 

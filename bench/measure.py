@@ -67,6 +67,10 @@ class CpuMeter:
             used[name] = sum(max(0.0, seconds - before.get(pid, 0.0)) for pid, seconds in pids.items())
         return used
 
+    def stop_per(self, count: int) -> dict[str, float]:
+        """:meth:`stop`, as ms of CPU per one of ``count`` events (or requests)."""
+        return {name: seconds / count * 1000 for name, seconds in self.stop().items()}
+
 
 def machine_meter(service: Callable[[], Iterable[int]]) -> CpuMeter:
     """The groups of the CPU table: ``service``, this process (the load generator), the stores."""

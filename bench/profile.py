@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.harness import Isolation, post_all
-from bench.measure import cpu_seconds
+from bench.measure import CpuMeter
 from bench.service import publisher, running, wait_traced, workload
 
 SAMPLES_PER_SECOND = 200
@@ -87,11 +87,14 @@ async def main(args: argparse.Namespace) -> None:
                 await _spy(pid, out / f"profile-{name}.txt")
                 for name, pid in zip(names, service.pids, strict=True)
             ]
+            meter = CpuMeter(
+                {name: (lambda pid=pid: [pid]) for name, pid in zip(names, service.pids, strict=True)}
+            )
             started = time.perf_counter()
-            before = [cpu_seconds(pid) for pid in service.pids]
+            meter.start()
             await asyncio.gather(post_all(service.urls, bodies, 64, 300, rate=args.rate), go())
             await wait_traced(iso, n, 300)
-            used = [cpu_seconds(pid) - at_start for pid, at_start in zip(service.pids, before, strict=True)]
+            used = meter.stop()
             elapsed = time.perf_counter() - started
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
@@ -100,7 +103,7 @@ async def main(args: argparse.Namespace) -> None:
         await iso.cleanup()
     channels = "by webhook only" if args.webhook_only else "on both channels"
     print(f"{n:,} events {channels}, {elapsed:.1f} s of load")
-    for name, cpu in zip(names, used, strict=True):
+    for name, cpu in used.items():
         counted = shares((out / f"profile-{name}.txt").read_text(encoding="utf-8"))
         total = sum(c for _, c in counted) or 1
         # The CPU is the kernel's count. py-spy's samples give only the shares: it counts a thread

@@ -56,7 +56,7 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
             meter.start()
             unique = await post_all(service.urls, bodies, 64, 300)
             await wait_traced(iso, n, 60)
-            report.cpu["webhook only, unique events"] = {k: v / n * 1000 for k, v in meter.stop().items()}
+            report.cpu["webhook only, unique events"] = meter.stop_per(n)
             traced = Traced.read(iso.trace_dir)
             sent = dict(zip(keys, unique.sent_at, strict=True))
             report.rows.append(
