@@ -7,7 +7,8 @@ Runs the "both channels (up)" scenario once (``--layout split``: serve, worker a
 apart; ``--webhook-only``: unique events by webhook, no RabbitMQ copies) with py-spy sampling
 each service process, then prints each one's CPU and the share of its samples by where the
 leaf-most known frame lives (HTTP server, AMQP client, asyncpg, redis-py, the service's own
-modules, the event loop …). The collapsed stacks stay in ``--out`` (``profile-<process>.txt``)
+modules, the event loop …), and the run's metric counters: which path each copy took (processed,
+skipped as a duplicate, forwarded …). The collapsed stacks stay in ``--out`` (``profile-<process>.txt``)
 for a flame graph (``py-spy`` can also write SVG: see its docs).
 """
 
@@ -23,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import Isolation, post_all
+from redis.asyncio import Redis
+
+from bench.harness import REDIS_URL, Isolation, post_all
 from bench.measure import CpuMeter
 from bench.service import publisher, running, wait_traced, workload
 
@@ -99,6 +102,7 @@ async def main(args: argparse.Namespace) -> None:
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
                 await asyncio.wait_for(spy.wait(), 60)
+        steps = await _counters(iso)
     finally:
         await iso.cleanup()
     channels = "by webhook only" if args.webhook_only else "on both channels"
@@ -114,6 +118,26 @@ async def main(args: argparse.Namespace) -> None:
         )
         for bucket, count in counted:
             print(f"  {100 * count / total:5.1f} %  {bucket}")
+    print("the service's counters (each copy's path):")
+    for name, count in steps:
+        print(f"  {count:9,}  {name}")
+
+
+async def _counters(iso: Isolation) -> list[tuple[str, int]]:
+    """The run's metric counters, read once the processes have stopped (and flushed them)."""
+    prefix = iso.prefix + "metrics:"
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        keys = sorted([k async for k in redis.scan_iter(match=prefix + "*", count=1000)])
+        found = []
+        for key in keys:
+            if not key.startswith((prefix + "rate:").encode()) and await redis.type(key) == b"string":
+                value = await redis.get(key)
+                if value is not None and value.isdigit():
+                    found.append((key.decode()[len(prefix) :], int(value)))
+        return found
+    finally:
+        await redis.aclose()
 
 
 async def _spy(pid: int, output: Path) -> asyncio.subprocess.Process:
