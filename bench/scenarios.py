@@ -6,6 +6,8 @@ import asyncio
 import os
 import subprocess
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from bench.harness import (
     Isolation,
@@ -105,8 +107,32 @@ async def webhook_scenarios(report: Report, n: int, offset: int) -> float:
         await iso.cleanup()
 
 
-async def channel_scenario(
-    report: Report,
+@dataclass
+class Measured:
+    """One run of a channel scenario: its row, and the CPU per event of each process group."""
+
+    row: Row
+    cpu: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.row.rate
+
+    def record(self, report: Report) -> float:
+        report.rows.append(self.row)
+        if self.cpu is not None:
+            report.cpu[self.row.scenario] = self.cpu
+        report.notes.extend(self.notes)
+        return self.rate
+
+
+async def channel_scenario(report: Report, n: int, offset: int, **how: Any) -> float:
+    """:func:`measure_channels` once, recorded in ``report``: events/s."""
+    return (await measure_channels(n, offset, **how)).record(report)
+
+
+async def measure_channels(
     n: int,
     offset: int,
     *,
@@ -116,7 +142,7 @@ async def channel_scenario(
     replicas: int = 1,
     cpu: bool = False,
     rate: float = 0.0,
-) -> float:
+) -> Measured:
     """Events through RabbitMQ only, or on both channels at once (as Evolution sends them)."""
     bodies, keys = workload(offset, n)
     iso = Isolation()
@@ -141,12 +167,12 @@ async def channel_scenario(
             if webhook is not None:
                 sent = {k: min(at, w) for (k, at), w in zip(sent.items(), webhook.sent_at, strict=True)}
             runs = [min(t) for t in traced.runs.values()]
-            rate = len(runs) / (max(runs) - min(sent.values())) if runs else 0.0
-            report.rows.append(
+            carried = len(runs) / (max(runs) - min(sent.values())) if runs else 0.0
+            measured = Measured(
                 Row(
                     name,
                     n,
-                    rate,
+                    carried,
                     webhook.percentile(50) if webhook else None,
                     webhook.percentile(99) if webhook else None,
                     *e2e(traced, sent),
@@ -156,10 +182,10 @@ async def channel_scenario(
                 )
             )
             if cpu and runs:
-                report.cpu[name] = {k: v / len(runs) * 1000 for k, v in used.items()}
+                measured.cpu = {k: v / len(runs) * 1000 for k, v in used.items()}
             if lost := await where_lost(iso, keys, bodies, traced):
-                report.notes.append(f"{name}: {lost}")
-            return rate
+                measured.notes.append(f"{name}: {lost}")
+            return measured
     finally:
         await iso.cleanup()
 

@@ -1,0 +1,59 @@
+"""The both-channels targets of the benchmark: the median round stands for all, and hides nothing."""
+
+from __future__ import annotations
+
+from bench.report import Row
+from bench.rounds import Round, median_round, median_transport
+from bench.scenarios import Measured
+
+
+def _round(transport: float, up: float, split: float, *, lost: int = 0, doubled: int = 0) -> Round:
+    def measured(name: str, rate: float) -> Measured:
+        return Measured(
+            Row(name, 1000, rate, 10.0, 20.0, rss=f"{rate:.0f} MiB", lost=lost, doubled=doubled),
+            cpu={"service": rate / 1000},
+            notes=[f"{name} at {rate:.0f}"],
+        )
+
+    return Round(transport, measured("up", up), measured("split", split))
+
+
+def test_the_median_round_is_chosen_by_its_ratio_to_its_own_ceiling() -> None:
+    # By rate alone the middle round would be the second (900); by ratio to each round's own
+    # ceiling it is the third: 0.8 against 0.75 and 0.9.
+    rounds = [_round(1000, 750, 700), _round(1000, 900, 600), _round(1200, 960, 500)]
+
+    up, ratio = median_round(rounds, lambda r: r.up)
+
+    assert ratio == 0.8
+    assert up.rate == 960
+    assert up.cpu == {"service": 0.96}  # the CPU of that same round
+    assert up.row.rss == "960 MiB"
+    assert median_transport(rounds) == 1000
+
+
+def test_every_rounds_ratio_is_in_the_note_and_losses_of_any_round_count() -> None:
+    rounds = [_round(1000, 800, 700), _round(1000, 820, 710, lost=2), _round(1000, 810, 720, doubled=1)]
+
+    split, ratio = median_round(rounds, lambda r: r.split)
+
+    assert ratio == 0.71
+    assert split.row.events == 3000
+    assert (split.row.lost, split.row.doubled) == (2, 1)  # from rounds that were not the median
+    times = "\N{MULTIPLICATION SIGN}"
+    assert (
+        f"0.70{times} (700 of 1,000/s), 0.71{times} (710 of 1,000/s), 0.72{times} (720 of 1,000/s)"
+        in split.row.note
+    )
+    assert split.notes == ["split at 700", "split at 710", "split at 720"]
+
+
+def test_an_even_count_takes_the_lower_median_and_one_round_has_no_note() -> None:
+    two = [_round(1000, 900, 600), _round(1000, 700, 600)]
+    lower, ratio = median_round(two, lambda r: r.up)
+    assert ratio == 0.7
+    assert lower.row.note.startswith("the lower median of 2 rounds")
+
+    one, ratio = median_round([_round(1000, 850, 600)], lambda r: r.up)
+    assert ratio == 0.85
+    assert one.row.note == ""
