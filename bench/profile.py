@@ -1,7 +1,7 @@
 """Where the service's CPU goes: ``py-spy record`` of its processes under the dual-channel load.
 
     .venv/bin/python -m bench.profile [--events 20000] [--rate 0] [--layout up|split]
-                                      [--webhook-only] [--out DIR]
+                                      [--webhook-only] [--perf] [--out DIR]
 
 Runs the "both channels (up)" scenario once (``--layout split``: serve, worker and reconcile
 apart; ``--webhook-only``: unique events by webhook, no RabbitMQ copies) with py-spy sampling
@@ -10,6 +10,12 @@ leaf-most known frame lives (HTTP server, AMQP client, asyncpg, redis-py, the se
 modules, the event loop …), and the run's metric counters: which path each copy took (processed,
 skipped as a duplicate, forwarded …). The collapsed stacks stay in ``--out`` (``profile-<process>.txt``)
 for a flame graph (``py-spy`` can also write SVG: see its docs).
+
+py-spy's shares are of wall-clock samples of a thread that is not idle, and a thread waiting for a
+core counts as busy at the frame where it waits (most often the event loop, just woken up), so on a
+loaded machine they overstate the loop. ``--perf`` also records each process with ``perf``, which
+samples only cycles spent on a CPU, and prints the share of each process's CPU by shared object:
+the Python interpreter, the kernel, the C library and each compiled extension.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import collections
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -90,6 +97,11 @@ async def main(args: argparse.Namespace) -> None:
                 await _spy(pid, out / f"profile-{name}.txt")
                 for name, pid in zip(names, service.pids, strict=True)
             ]
+            if args.perf:
+                spies += [
+                    await _perf(pid, out / f"perf-{name}.data")
+                    for name, pid in zip(names, service.pids, strict=True)
+                ]
             meter = CpuMeter(
                 {name: (lambda pid=pid: [pid]) for name, pid in zip(names, service.pids, strict=True)}
             )
@@ -118,9 +130,50 @@ async def main(args: argparse.Namespace) -> None:
         )
         for bucket, count in counted:
             print(f"  {100 * count / total:5.1f} %  {bucket}")
+        if args.perf:
+            print(f"  where its CPU went, by perf (on-CPU samples only), {name}:")
+            for share, where in await _perf_shares(out / f"perf-{name}.data"):
+                print(f"  {share:5.1f} %  {where}")
     print("the service's counters (each copy's path):")
     for name, count in steps:
         print(f"  {count:9,}  {name}")
+
+
+async def _perf(pid: int, output: Path) -> asyncio.subprocess.Process:
+    """``perf record`` of one process (CPU cycles on the CPU only), until it is sent SIGINT."""
+    if shutil.which("perf") is None:
+        raise SystemExit("--perf needs perf (Debian: apt install linux-perf)")
+    return await asyncio.create_subprocess_exec(
+        "perf", "record", "--freq", str(SAMPLES_PER_SECOND), "--pid", str(pid), "--output", str(output),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+#: What each shared object of a process stands for, in perf's report by object.
+_OBJECTS = [
+    (re.compile(r"^libpython"), "the Python interpreter (bytecode, objects, memory)"),
+    (re.compile(r"^\[kernel"), "the kernel (system calls, loopback TCP, scheduling)"),
+    (re.compile(r"^libc\.|^ld-linux"), "the C library (malloc, memcpy)"),
+    (re.compile(r"^loop\.cpython"), "the event loop (uvloop)"),
+]
+
+
+async def _perf_shares(data: Path) -> list[tuple[float, str]]:
+    """Shares of a ``perf record`` by shared object (0.5 % and more), named by what they stand for."""
+    report = await asyncio.create_subprocess_exec(
+        "perf", "report", "--input", str(data), "--sort", "dso", "--stdio",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await report.communicate()
+    shares = []
+    for line in out.decode(errors="replace").splitlines():
+        match = re.match(r"\s*([\d.]+)%\s+(\S+)", line)
+        if match is None or float(match.group(1)) < 0.5:
+            continue
+        dso = match.group(2)
+        named = next((what for pattern, what in _OBJECTS if pattern.search(dso)), None)
+        shares.append((float(match.group(1)), named or f"{dso.split('.')[0]} (a compiled extension)"))
+    return shares
 
 
 async def _counters(iso: Isolation) -> list[tuple[str, int]]:
@@ -165,6 +218,11 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--webhook-only", action="store_true", help="unique events by webhook, no RabbitMQ copies"
+    )
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="also record each process with perf: the share of its CPU by shared object, on-CPU only",
     )
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "evolution-ingest-profile")
     if sys.platform != "linux":
