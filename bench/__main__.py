@@ -42,11 +42,9 @@ async def main(args: argparse.Namespace) -> Report:
     # Every scenario gets ids of its own: the next offset, in the order they run.
     offsets = iter(range(10 * max(n, args.backlog, args.soak), 10**12, 10 * max(n, args.backlog, args.soak)))
     bodies, _ = workload(0, n)
-    report.ceilings[PG] = await raw_postgres(bodies)
+    pg = await raw_postgres(bodies)
     bare_cpu: dict[str, float] = {}
     bare = await bare_http(bodies, cpu=bare_cpu)
-    report.ceilings[BARE] = bare.rate
-    pg = report.ceilings[PG]
     lean = await transport(n, next(offsets), lean=True)
     print(
         f"ceilings: raw Postgres {pg:,.0f} events/s, bare HTTP {bare.rate:,.0f} req/s, "

@@ -182,13 +182,15 @@ async def _counters(iso: Isolation) -> list[tuple[str, int]]:
     redis = Redis.from_url(REDIS_URL)
     try:
         keys = sorted([k async for k in redis.scan_iter(match=prefix + "*", count=1000)])
-        found = []
-        for key in keys:
-            if not key.startswith((prefix + "rate:").encode()) and await redis.type(key) == b"string":
-                value = await redis.get(key)
-                if value is not None and value.isdigit():
-                    found.append((key.decode()[len(prefix) :], int(value)))
-        return found
+        rate = (prefix + "rate:").encode()
+        keys = [key for key in keys if not key.startswith(rate)]
+        # MGET answers nil for a key that is not a string (the histograms' hashes).
+        values = await redis.mget(keys) if keys else []
+        return [
+            (key.decode()[len(prefix) :], int(value))
+            for key, value in zip(keys, values, strict=True)
+            if value is not None and value.isdigit()
+        ]
     finally:
         await redis.aclose()
 
