@@ -36,6 +36,7 @@ from redis.asyncio import Redis
 from bench.harness import REDIS_URL, Isolation, post_all
 from bench.measure import CpuMeter
 from bench.service import publisher, running, wait_traced, workload
+from evolution_ingest.stores.counters import Counters
 
 SAMPLES_PER_SECOND = 200
 #: (bucket, pattern on the frame's file), tried from the leaf towards the root of each stack.
@@ -141,8 +142,6 @@ async def main(args: argparse.Namespace) -> None:
 
 async def _perf(pid: int, output: Path) -> asyncio.subprocess.Process:
     """``perf record`` of one process (CPU cycles on the CPU only), until it is sent SIGINT."""
-    if shutil.which("perf") is None:
-        raise SystemExit("--perf needs perf (Debian: apt install linux-perf)")
     return await asyncio.create_subprocess_exec(
         "perf", "record", "--freq", str(SAMPLES_PER_SECOND), "--pid", str(pid), "--output", str(output),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
@@ -177,20 +176,11 @@ async def _perf_shares(data: Path) -> list[tuple[float, str]]:
 
 
 async def _counters(iso: Isolation) -> list[tuple[str, int]]:
-    """The run's metric counters, read once the processes have stopped (and flushed them)."""
-    prefix = iso.prefix + "metrics:"
+    """The run's counters (not the histograms and series), read once the processes have stopped
+    and flushed them."""
     redis = Redis.from_url(REDIS_URL)
     try:
-        keys = sorted([k async for k in redis.scan_iter(match=prefix + "*", count=1000)])
-        rate = (prefix + "rate:").encode()
-        keys = [key for key in keys if not key.startswith(rate)]
-        # MGET answers nil for a key that is not a string (the histograms' hashes).
-        values = await redis.mget(keys) if keys else []
-        return [
-            (key.decode()[len(prefix) :], int(value))
-            for key, value in zip(keys, values, strict=True)
-            if value is not None and value.isdigit()
-        ]
+        return sorted((await Counters(redis, prefix=iso.prefix + "metrics:").read()).items())
     finally:
         await redis.aclose()
 
@@ -229,4 +219,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "evolution-ingest-profile")
     if sys.platform != "linux":
         raise SystemExit("py-spy record needs Linux here")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    if args.perf and shutil.which("perf") is None:
+        parser.error("--perf needs perf (Debian: apt install linux-perf)")
+    asyncio.run(main(args))
