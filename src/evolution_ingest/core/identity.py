@@ -140,7 +140,7 @@ def message_identity(event: str, instance: str, data: Any) -> dict[str, Any] | N
     if not isinstance(key, dict) or not isinstance(key.get("id"), str) or not key["id"]:
         return None
     message = data.get("message")
-    if isinstance(message, dict) and _TRANSPORT_FIELDS & message.keys():
+    if isinstance(message, dict) and not _TRANSPORT_FIELDS.isdisjoint(message):
         message = {k: v for k, v in message.items() if k not in _TRANSPORT_FIELDS}
     return {"event": event, "instance": instance, "id": key["id"], "fromMe": key.get("fromMe") is True,
             "content": message}  # fmt: skip
