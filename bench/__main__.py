@@ -24,7 +24,7 @@ from bench.ceilings import bare_http, raw_postgres, transport
 from bench.growth import growth
 from bench.latency import half_load
 from bench.report import Report, render
-from bench.rounds import UP, dual_rounds, median_round, median_transport
+from bench.rounds import UP, dual_rounds, median_round, median_transport, stolen_shares
 from bench.scenarios import backlog, channel_scenario, soak, webhook_scenarios
 from bench.service import workload
 
@@ -93,7 +93,9 @@ async def main(args: argparse.Namespace) -> Report:
             f"Transport ceiling in the {len(rounds)} rounds of the both-channels scenarios: "
             + ", ".join(f"{r.transport:,.0f}/s" for r in rounds)
             + f" (the table gives their median, {carried:,.0f}/s); each round's scenarios are measured "
-            "against the ceiling of their own round, and the median round is reported."
+            "against the ceiling of their own round, and the median round is reported. "
+            "Share of the cores' time the host took (steal) during each round's transport / up / "
+            "separate processes: " + ", ".join(stolen_shares(r) for r in rounds) + "."
         )
     report.checks[:0] = [
         ("both channels (up) ≥ 0.8 × transport ceiling", f"{up_ratio:.2f}×", up_ratio >= 0.8),

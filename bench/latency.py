@@ -111,4 +111,4 @@ async def _bare_at(rate: float, offset: int, n: int, runs: int = 3) -> Row:
 def _pressure_note(p99s: list[float], pressures: list[Pressure]) -> str:
     """Each half-load run's p99 beside what the machine went through meanwhile."""
     runs = "; ".join(f"{p99:.0f} ms: {pressure}" for p99, pressure in zip(p99s, pressures, strict=True))
-    return f"What each half-load run went through (p99: stalls of the machine, from /proc/pressure and Postgres): {runs}."
+    return f"What each half-load run went through (p99: stalls of the machine, from /proc/pressure, /proc/stat and Postgres): {runs}."

@@ -1,9 +1,10 @@
 """Measuring a scenario: CPU seconds per component, memory, what the trace handler saw, and the
-machine's own stalls (CPU, I/O, Postgres checkpoints)."""
+machine's own stalls (CPU, I/O, Postgres checkpoints, time the host took from its cores)."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,43 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def stolen_seconds(path: str = "/proc/stat") -> float:
+    """Seconds of this machine's cores that the host gave to others since boot, summed over the
+    cores (``steal`` in /proc/stat; 0 where the kernel does not count it). A virtual machine's
+    scenario runs slower in a window where this grows, whatever the code does."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return 0.0
+    return int(fields[8]) / _TICKS if len(fields) > 8 and fields[0] == "cpu" else 0.0
+
+
+class StealMeter:
+    """The share of the machine's core time the host took between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._before = (0.0, 0.0)
+
+    @staticmethod
+    def _sample() -> tuple[float, float]:
+        return stolen_seconds(), time.monotonic()
+
+    def start(self) -> None:
+        self._before = self._sample()
+
+    def stop(self) -> float:
+        stolen, now = self._sample()
+        elapsed = (now - self._before[1]) * (os.cpu_count() or 1)
+        return (stolen - self._before[0]) / elapsed if elapsed > 0 else 0.0
+
+    async def during(self, work: Awaitable[T]) -> tuple[T, float]:
+        """``work``'s result, and the share of the cores' time the host took while it ran."""
+        self.start()
+        result = await work
+        return result, self.stop()
 
 
 def pids_named(*names: str) -> list[int]:
@@ -120,11 +158,13 @@ def percentile(values: list[float], p: float) -> float:
 @dataclass
 class Pressure:
     """What the machine went through over a window: time some task stalled waiting for a core or
-    for I/O (the kernel's pressure-stall information, /proc/pressure), Postgres checkpoints, and
-    what Postgres wrote to its WAL and read from outside its buffers (the whole server's)."""
+    for I/O (the kernel's pressure-stall information, /proc/pressure), time the host took from the
+    machine's cores (steal, summed over the cores), Postgres checkpoints, and what Postgres wrote
+    to its WAL and read from outside its buffers (the whole server's)."""
 
     cpu_stall_ms: float
     io_stall_ms: float
+    stolen_ms: float
     checkpoints: int
     checkpoint_sync_ms: float
     wal_bytes: float
@@ -134,7 +174,7 @@ class Pressure:
     def __str__(self) -> str:
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
-            f"{self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing)"
+            f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing)"
         )
 
     def per_event(self, events: int) -> str:
@@ -172,7 +212,7 @@ class PressureMeter:
 
     async def _sample(self) -> tuple[float, ...]:
         record = await self._fetchrow(_POSTGRES)
-        return _stall_us("cpu"), _stall_us("io"), *(float(value) for value in record)
+        return _stall_us("cpu"), _stall_us("io"), stolen_seconds(), *(float(value) for value in record)
 
     async def start(self) -> None:
         self._before = await self._sample()
@@ -180,8 +220,19 @@ class PressureMeter:
     async def stop(self) -> Pressure:
         after = await self._sample()
         before = self._before
-        cpu, io, checkpoints, sync_ms, wal, fpi, read = (a - b for a, b in zip(after, before, strict=True))
-        return Pressure(cpu / 1000, io / 1000, int(checkpoints), sync_ms, wal, int(fpi), int(read))
+        cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read = (
+            a - b for a, b in zip(after, before, strict=True)
+        )
+        return Pressure(
+            cpu_stall_ms=cpu / 1000,
+            io_stall_ms=io / 1000,
+            stolen_ms=stolen * 1000,
+            checkpoints=int(checkpoints),
+            checkpoint_sync_ms=sync_ms,
+            wal_bytes=wal,
+            full_page_images=int(fpi),
+            blocks_read=int(read),
+        )
 
     async def during(self, work: Awaitable[T]) -> tuple[T, Pressure]:
         """``work``'s result, and what the machine went through while it ran."""

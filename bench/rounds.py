@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from bench.ceilings import transport
+from bench.measure import StealMeter
 from bench.scenarios import Measured, measure_channels
 
 UP = "both channels (up)"
@@ -29,23 +30,36 @@ class Round:
     transport: float
     up: Measured
     split: Measured
+    #: Share of the machine's core time the host took during each of the three (steal).
+    stolen: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 async def dual_rounds(n: int, offsets: Iterator[int], rounds: int) -> list[Round]:
     """``rounds`` rounds of ``n`` events each, every scenario on ids of its own."""
     done: list[Round] = []
     for index in range(rounds):
-        carried = await transport(n, next(offsets))
-        up = await measure_channels(n, next(offsets), name=UP, layout="up", dual=True, cpu=True)
-        split = await measure_channels(n, next(offsets), name=SPLIT, layout="split", dual=True, cpu=True)
-        done.append(Round(carried, up, split))
+        steal = StealMeter()
+        carried, on_transport = await steal.during(transport(n, next(offsets)))
+        up, on_up = await steal.during(
+            measure_channels(n, next(offsets), name=UP, layout="up", dual=True, cpu=True)
+        )
+        split, on_split = await steal.during(
+            measure_channels(n, next(offsets), name=SPLIT, layout="split", dual=True, cpu=True)
+        )
+        done.append(Round(carried, up, split, (on_transport, on_up, on_split)))
         print(
             f"both channels, round {index + 1} of {rounds}: transport {carried:,.0f}/s, "
             f"up {up.rate:,.0f}/s ({up.rate / carried:.2f}×), "
-            f"separate processes {split.rate:,.0f}/s ({split.rate / carried:.2f}×)",
+            f"separate processes {split.rate:,.0f}/s ({split.rate / carried:.2f}×); "
+            f"taken by the host {stolen_shares(done[-1])}",
             file=sys.stderr,
         )
     return done
+
+
+def stolen_shares(one: Round) -> str:
+    """The host's share of the cores during the round's transport, up and separate processes."""
+    return " / ".join(f"{100 * share:.1f} %" for share in one.stolen)
 
 
 def median_transport(rounds: list[Round]) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.report import Row
-from bench.rounds import Round, median_round, median_transport
+from bench.rounds import Round, median_round, median_transport, stolen_shares
 from bench.scenarios import Measured
 
 
@@ -57,3 +57,9 @@ def test_an_even_count_takes_the_lower_median_and_one_round_has_no_note() -> Non
     one, ratio = median_round([_round(1000, 850, 600)], lambda r: r.up)
     assert ratio == 0.85
     assert one.row.note == ""
+
+
+def test_each_rounds_steal_is_given_per_scenario() -> None:
+    one = Round(1000, _round(1000, 800, 700).up, _round(1000, 800, 700).split, (0.012, 0.05, 0.1049))
+    assert stolen_shares(one) == "1.2 % / 5.0 % / 10.5 %"
+    assert stolen_shares(_round(1000, 800, 700)) == "0.0 % / 0.0 % / 0.0 %"  # none measured

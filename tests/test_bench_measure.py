@@ -1,0 +1,80 @@
+"""What the benchmark says the machine went through: the time the host took from its cores."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from bench import measure
+from bench.measure import Pressure, PressureMeter, StealMeter, stolen_seconds
+
+
+def test_stolen_seconds_are_the_steal_column_of_the_machines_line(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 1000 5 0 7 250 0 0\ncpu0 50 0 25 500 2 0 3 125 0 0\n", encoding="ascii")
+    assert stolen_seconds(str(stat)) == 250 / measure._TICKS
+
+    stat.write_text("cpu  100 0 50 1000\n", encoding="ascii")  # a kernel that does not count it
+    assert stolen_seconds(str(stat)) == 0.0
+    assert stolen_seconds(str(tmp_path / "missing")) == 0.0
+
+
+def test_the_share_is_of_every_cores_time_over_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    stolen = iter([10.0, 11.5])  # 1.5 s taken from the cores over the window
+    clock = iter([100.0, 105.0])  # 5 s of wall clock, on 2 cores: 10 s of core time
+    monkeypatch.setattr(measure, "stolen_seconds", lambda: next(stolen))
+    monkeypatch.setattr(measure.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 2)
+
+    meter = StealMeter()
+    meter.start()
+    assert meter.stop() == pytest.approx(0.15)
+
+
+async def test_a_window_measured_on_this_machine_is_a_share() -> None:
+    (result, share) = await StealMeter().during(_idle())
+    assert result == "done"
+    assert 0.0 <= share <= 1.0
+
+
+async def _idle() -> str:
+    await asyncio.sleep(0.05)  # wait-ok: a window for the meter to measure
+    return "done"
+
+
+def test_the_windows_note_says_what_the_host_took() -> None:
+    pressure = Pressure(
+        cpu_stall_ms=4_192.0,
+        io_stall_ms=553.0,
+        stolen_ms=812.4,
+        checkpoints=1,
+        checkpoint_sync_ms=48.0,
+        wal_bytes=1e6,
+        full_page_images=20,
+        blocks_read=3,
+    )
+    assert str(pressure) == (
+        "CPU stall 4,192 ms, I/O stall 553 ms, taken by the host 812 ms, 1 checkpoint(s) (48 ms syncing)"
+    )
+
+
+async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stalls = {"cpu": iter([1_000_000.0, 5_000_000.0]), "io": iter([0.0, 250_000.0])}  # microseconds
+    stolen = iter([2.0, 2.75])
+    postgres = iter([(3, 10.0, 1_000.0, 5, 7), (4, 58.0, 9_000.0, 25, 10)])
+    monkeypatch.setattr(measure, "_stall_us", lambda resource: next(stalls[resource]))
+    monkeypatch.setattr(measure, "stolen_seconds", lambda: next(stolen))
+
+    async def fetchrow(_query: str) -> tuple[float, ...]:
+        return next(postgres)
+
+    meter = PressureMeter(fetchrow)
+    await meter.start()
+    assert await meter.stop() == Pressure(
+        cpu_stall_ms=4_000.0, io_stall_ms=250.0, stolen_ms=750.0, checkpoints=1,
+        checkpoint_sync_ms=48.0, wal_bytes=8_000.0, full_page_images=20, blocks_read=3,
+    )  # fmt: skip
