@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -12,6 +14,7 @@ import pytest
 
 from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import parse_envelope
+from evolution_ingest.stores.refusals import Refusal, ReplayFilters
 from tests.conftest import OpenRuntime, serving
 from tests.support import Recorder, fixture, free_socket, wait_until
 from tests.test_admin import cli, cli_json
@@ -97,6 +100,39 @@ async def test_replay_refused_runs_a_body_refused_before_the_fix_once_and_leaves
 
 
 @pytest.mark.filterwarnings("ignore::jwt.warnings.InsecureKeyLengthWarning")  # this test's own tokens
+async def test_replay_filters_pick_refusals_by_code_source_and_time(
+    open_runtime: OpenRuntime, db: asyncpg.Connection
+) -> None:
+    """Each filter of ``replay --refused`` narrows the set; unauthorized bodies only when asked."""
+    kinds = [
+        ("webhook", "malformed_json"),
+        ("rabbitmq", "not_an_event"),
+        ("webhook", "unauthorized"),
+        ("rabbitmq", "malformed_json"),
+    ]
+    async with open_runtime() as runtime:
+        ids = [
+            await runtime.refusals.record(Refusal(source=source, code=code, reason="test", body=b"{"))
+            for source, code in kinds
+        ]
+        await db.execute(
+            "UPDATE evolution_ingest_refusals SET received_at = now() - interval '1 hour' WHERE id = ANY($1)",
+            ids[:2],
+        )
+        half_an_hour_ago = datetime.now(UTC) - timedelta(minutes=30)
+
+        async def picked(**filters: Any) -> list[int]:
+            return [row[0] for row in await runtime.refusals.to_replay(ReplayFilters(**filters), 10)]
+
+        assert await picked() == [ids[0], ids[1], ids[3]]
+        assert await picked(source="rabbitmq") == [ids[1], ids[3]]
+        assert await picked(since=half_an_hour_ago) == [ids[3]]
+        assert await picked(until=half_an_hour_ago) == [ids[0], ids[1]]
+        assert await picked(source="webhook", since=half_an_hour_ago, unauthorized=True) == [ids[2]]
+        assert await picked(codes=("unauthorized",)) == [ids[2]]
+        assert await picked(codes=("malformed_json",), source="rabbitmq", until=half_an_hour_ago) == []
+
+
 async def test_a_short_jwt_key_is_one_structured_warning_and_every_log_line_stays_json(
     settings: Settings, http: aiohttp.ClientSession
 ) -> None:

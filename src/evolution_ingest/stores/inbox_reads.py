@@ -20,7 +20,7 @@ from evolution_ingest.core import codec
 from evolution_ingest.core.contract import SavedEvent
 from evolution_ingest.core.identity import normalize_event_name
 from evolution_ingest.stores.inbox import TABLE, VIEW
-from evolution_ingest.stores.postgres import Postgres
+from evolution_ingest.stores.postgres import Postgres, where_set
 
 PENDING: Final = "processed_at IS NULL AND failed_at IS NULL"
 FAILED: Final = "failed_at IS NOT NULL AND processed_at IS NULL"
@@ -124,21 +124,20 @@ class InboxReads:
 
     async def failed(self, filters: Filters, limit: int) -> list[SavedEvent]:
         """Events given up on, oldest first."""
-        clauses = [FAILED]
         args: list[Any] = []
-        for column, value, op in (
-            ("event", normalize_event_name(filters.event) if filters.event else None, "="),
-            ("instance", filters.instance, "="),
-            ("received_at", filters.since, ">="),
-            ("received_at", filters.until, "<"),
-        ):
-            if value is not None:
-                args.append(value)
-                clauses.append(f"{column} {op} ${len(args)}")
+        where = where_set(
+            [FAILED],
+            args,
+            (
+                ("event", "=", normalize_event_name(filters.event) if filters.event else None),
+                ("instance", "=", filters.instance),
+                ("received_at", ">=", filters.since),
+                ("received_at", "<", filters.until),
+            ),
+        )
         args.append(limit)
         query = (
-            f"SELECT {_SAVED_COLUMNS} FROM {VIEW} WHERE {' AND '.join(clauses)} "
-            f"ORDER BY received_at, id LIMIT ${len(args)}"
+            f"SELECT {_SAVED_COLUMNS} FROM {VIEW} WHERE {where} ORDER BY received_at, id LIMIT ${len(args)}"
         )
         return [saved_event(r) for r in await self._db.fetch(query, *args)]
 

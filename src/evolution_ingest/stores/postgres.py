@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeAlias
 
@@ -62,6 +62,16 @@ def row_level(exc: BaseException) -> bool:
     """True when a batch statement failed because of (at least) one of its rows."""
     sqlstate = getattr(exc, "sqlstate", None)
     return isinstance(exc, asyncpg.PostgresError) and str(sqlstate or "")[:2] in _ROW_LEVEL_CLASSES
+
+
+def where_set(clauses: list[str], args: list[Any], conditions: Iterable[tuple[str, str, Any]]) -> str:
+    """``clauses`` and ``column op $n`` for each (column, op, value) whose value is set, joined
+    by AND; each such value is appended to ``args`` (the statement's parameters)."""
+    for column, op, value in conditions:
+        if value is not None:
+            args.append(value)
+            clauses.append(f"{column} {op} ${len(args)}")
+    return " AND ".join(clauses)
 
 
 class Postgres:

@@ -21,7 +21,7 @@ from typing import Any, Final
 from evolution_ingest.core import codec
 from evolution_ingest.core.redaction import Redactor
 from evolution_ingest.stores.counters import Counters
-from evolution_ingest.stores.postgres import Postgres
+from evolution_ingest.stores.postgres import Postgres, where_set
 
 REFUSALS: Final = "evolution_ingest_refusals"
 _MAX_REASON: Final = 2000
@@ -174,18 +174,18 @@ class RefusalLog:
             clauses.append(f"code = ANY(${len(args)})")
         elif not filters.unauthorized:
             clauses.append("code <> 'unauthorized'")
-        for column, value, op in (
-            ("source", filters.source, "="),
-            ("received_at", filters.since, ">="),
-            ("received_at", filters.until, "<"),
-        ):
-            if value is not None:
-                args.append(value)
-                clauses.append(f"{column} {op} ${len(args)}")
+        where = where_set(
+            clauses,
+            args,
+            (
+                ("source", "=", filters.source),
+                ("received_at", ">=", filters.since),
+                ("received_at", "<", filters.until),
+            ),
+        )
         args.append(limit)
         query = (
-            f"SELECT id, source, body, truncated FROM {REFUSALS} WHERE {' AND '.join(clauses)} "
-            f"ORDER BY id LIMIT ${len(args)}"
+            f"SELECT id, source, body, truncated FROM {REFUSALS} WHERE {where} ORDER BY id LIMIT ${len(args)}"
         )
         records = await self._db.fetch(query, *args)
         return [(r["id"], r["source"], bytes(r["body"]), r["truncated"]) for r in records]
