@@ -99,7 +99,6 @@ async def test_replay_refused_runs_a_body_refused_before_the_fix_once_and_leaves
     assert "processed" in human.stdout
 
 
-@pytest.mark.filterwarnings("ignore::jwt.warnings.InsecureKeyLengthWarning")  # this test's own tokens
 async def test_replay_filters_pick_refusals_by_code_source_and_time(
     open_runtime: OpenRuntime, db: asyncpg.Connection
 ) -> None:
@@ -133,6 +132,7 @@ async def test_replay_filters_pick_refusals_by_code_source_and_time(
         assert await picked(codes=("malformed_json",), source="rabbitmq", until=half_an_hour_ago) == []
 
 
+@pytest.mark.filterwarnings("ignore::jwt.warnings.InsecureKeyLengthWarning")  # this test's own tokens
 async def test_a_short_jwt_key_is_one_structured_warning_and_every_log_line_stays_json(
     settings: Settings, http: aiohttp.ClientSession
 ) -> None:
