@@ -65,8 +65,8 @@ def row_level(exc: BaseException) -> bool:
 
 
 def where_set(clauses: list[str], args: list[Any], conditions: Iterable[tuple[str, str, Any]]) -> str:
-    """``clauses`` and ``column op $n`` for each (column, op, value) whose value is set, joined
-    by AND; each such value is appended to ``args`` (the statement's parameters)."""
+    """A WHERE clause: ``clauses`` (extended in place) and ``column op $n`` for each (column, op,
+    value) whose value is not None, joined by AND; each such value is appended to ``args``."""
     for column, op, value in conditions:
         if value is not None:
             args.append(value)
