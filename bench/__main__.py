@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -24,13 +25,16 @@ from bench.ceilings import bare_http, raw_postgres, transport
 from bench.growth import growth
 from bench.latency import half_load
 from bench.report import Report, render
-from bench.rounds import UP, dual_rounds, median_round, median_transport, stolen_shares
+from bench.rounds import UP, budget, dual_rounds, median_index, median_round, median_transport, stolen_shares
 from bench.scenarios import backlog, channel_scenario, soak, webhook_scenarios
 from bench.service import workload
 
 PG = "raw Postgres: INSERT … ON CONFLICT + UPDATE per event, 64 in flight"
 BARE = "bare HTTP endpoint parsing the JSON (same server stack, same load generator)"
 TRANSPORT = "transport: both channels into a bare receiver (parse, answer 200 / ack; same load generator and publisher)"
+CEILING_CPU = (
+    "for reference: the transport ceiling (its bare receiver under service), the round of up's median"
+)
 LEAN = (
     "transport, lean receiver: the same on the service's own stack (raw ASGI on uvicorn; pika, batched acks)"
 )
@@ -78,6 +82,9 @@ async def main(args: argparse.Namespace) -> Report:
         rate=dual / 2,
     )
     split.record(report)
+    # What the ceiling cost, beside what the service cost, in the round that stands for `up`.
+    standing = rounds[median_index(rounds, lambda r: r.up)]
+    report.cpu[CEILING_CPU] = standing.transport_cpu
     scaled = await channel_scenario(
         report,
         n,
@@ -107,6 +114,7 @@ async def main(args: argparse.Namespace) -> Report:
         ("both channels, for reference: × the lean receiver's transport (up / separate processes)",
          f"{dual / lean:.2f}× / {split.rate / lean:.2f}×", None),
     ]  # fmt: skip
+    report.notes.append(budget(standing, os.cpu_count() or 1))
     report.notes.append(
         f"A second replica of each component: {scaled:,.0f} events/s with both channels "
         f"(the `up` process alone: {dual:,.0f})."

@@ -22,7 +22,7 @@ from bench.harness import (
     process,
     wait_http,
 )
-from bench.measure import machine_meter
+from bench.measure import dual_cpu, machine_meter
 from bench.service import EVENTS, publisher, workload
 from evolution_ingest.core.identity import parse_envelope
 
@@ -88,11 +88,12 @@ async def bare_http(
         return result
 
 
-async def transport(n: int, offset: int, *, lean: bool = False) -> float:
+async def transport(n: int, offset: int, *, lean: bool = False, cpu: dict[str, float] | None = None) -> float:
     """Both channels' copies of ``n`` events, as the dual scenarios send them (same load generator,
     same publisher), into a receiver that only parses and answers / acks: events/s.
 
-    ``lean``: the receiver on the service's own stack (``bench/bare.py --lean``)."""
+    ``lean``: the receiver on the service's own stack (``bench/bare.py --lean``). ``cpu``: filled
+    with the ms of CPU per event of each group of the CPU table (the receiver under "service")."""
     bodies, _ = workload(offset, n)
     iso = Isolation()
     port = free_port()
@@ -101,17 +102,24 @@ async def transport(n: int, offset: int, *, lean: bool = False) -> float:
                "--prefix", f"bench{iso.run_id}", "--events", ",".join(EVENTS), *(["--lean"] if lean else [])]  # fmt: skip
     try:
         # The publisher's queues are declared once it is ready; the receiver then consumes them.
-        async with publisher(iso, offset, n) as go, process(command, dict(os.environ), "bare receiver"):
+        async with (
+            publisher(iso, offset, n) as go,
+            process(command, dict(os.environ), "bare receiver") as receiver,
+        ):
             await wait_http(f"{base}/healthz")
             started = time.perf_counter()
-            await asyncio.gather(post_all(f"{base}/bare", bodies, 64, 300), go())
-            async with aiohttp.ClientSession() as http:
-                deadline = time.monotonic() + 300
-                while time.monotonic() < deadline:
-                    async with http.get(f"{base}/consumed") as resp:
-                        if (await resp.json())["consumed"] >= n:
-                            break
-                    await asyncio.sleep(0.02)
-            return n / (time.perf_counter() - started)
+            with dual_cpu(lambda: [receiver.pid], go) as used:
+                await asyncio.gather(post_all(f"{base}/bare", bodies, 64, 300), go())
+                async with aiohttp.ClientSession() as http:
+                    deadline = time.monotonic() + 300
+                    while time.monotonic() < deadline:
+                        async with http.get(f"{base}/consumed") as resp:
+                            if (await resp.json())["consumed"] >= n:
+                                break
+                        await asyncio.sleep(0.02)
+                carried = n / (time.perf_counter() - started)
+            if cpu is not None:
+                cpu.update({name: seconds / n * 1000 for name, seconds in used.items()})
+            return carried
     finally:
         await iso.cleanup()

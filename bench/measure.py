@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,6 +114,26 @@ class CpuMeter:
 def machine_meter(service: Callable[[], Iterable[int]]) -> CpuMeter:
     """The groups of the CPU table: ``service``, this process (the load generator), the stores."""
     return CpuMeter({"service": service, "load generator": lambda: [os.getpid()], **infrastructure()})
+
+
+@contextmanager
+def dual_cpu(service: Callable[[], Iterable[int]], publisher: Any) -> Iterator[dict[str, float]]:
+    """CPU seconds of each group of the CPU table over the block, filled in when it ends. The
+    publisher (``publisher``, the ``go`` of :func:`bench.service.publisher`, whose process the block
+    has reaped) counts with the load generator, without what it spent preparing its messages."""
+    meter = machine_meter(service)
+    meter.start()
+    children = children_cpu()
+    used: dict[str, float] = {}
+    yield used
+    used.update(meter.stop())
+    used["load generator"] += children_cpu() - children - publisher.preparing_cpu
+
+
+def children_cpu() -> float:
+    """CPU time of this process's children that have exited (the publisher, once it is done)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def infrastructure() -> dict[str, Callable[[], Iterable[int]]]:

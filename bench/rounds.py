@@ -13,7 +13,7 @@ import dataclasses
 import statistics
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bench.ceilings import transport
 from bench.measure import StealMeter
@@ -32,6 +32,8 @@ class Round:
     split: Measured
     #: Share of the machine's core time the host took during each of the three (steal).
     stolen: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: ms of CPU per event of each group of the CPU table under the ceiling (the receiver as "service").
+    transport_cpu: dict[str, float] = field(default_factory=dict)
 
 
 async def dual_rounds(n: int, offsets: Iterator[int], rounds: int) -> list[Round]:
@@ -39,14 +41,15 @@ async def dual_rounds(n: int, offsets: Iterator[int], rounds: int) -> list[Round
     done: list[Round] = []
     for index in range(rounds):
         steal = StealMeter()
-        carried, on_transport = await steal.during(transport(n, next(offsets)))
+        ceiling_cpu: dict[str, float] = {}
+        carried, on_transport = await steal.during(transport(n, next(offsets), cpu=ceiling_cpu))
         up, on_up = await steal.during(
             measure_channels(n, next(offsets), name=UP, layout="up", dual=True, cpu=True)
         )
         split, on_split = await steal.during(
             measure_channels(n, next(offsets), name=SPLIT, layout="split", dual=True, cpu=True)
         )
-        done.append(Round(carried, up, split, (on_transport, on_up, on_split)))
+        done.append(Round(carried, up, split, (on_transport, on_up, on_split), ceiling_cpu))
         print(
             f"both channels, round {index + 1} of {rounds}: transport {carried:,.0f}/s, "
             f"up {up.rate:,.0f}/s ({up.rate / carried:.2f}×), "
@@ -66,13 +69,18 @@ def median_transport(rounds: list[Round]) -> float:
     return statistics.median(r.transport for r in rounds)
 
 
+def median_index(rounds: list[Round], pick: Callable[[Round], Measured]) -> int:
+    """Which round has the median ratio of ``pick`` to its own ceiling (the lower one of an even count)."""
+    order = sorted(range(len(rounds)), key=lambda i: pick(rounds[i]).rate / rounds[i].transport)
+    return order[(len(order) - 1) // 2]
+
+
 def median_round(rounds: list[Round], pick: Callable[[Round], Measured]) -> tuple[Measured, float]:
     """The round of the median ratio (the lower one of an even count) standing for all of them,
     and that ratio. Its row counts the events of every round, and what any round lost or ran twice.
     """
     ratios = [pick(r).rate / r.transport for r in rounds]
-    order = sorted(range(len(rounds)), key=ratios.__getitem__)
-    middle = order[(len(order) - 1) // 2]
+    middle = median_index(rounds, pick)
     chosen = pick(rounds[middle])
     rows = [pick(r).row for r in rounds]
     each = ", ".join(
@@ -95,3 +103,22 @@ def median_round(rounds: list[Round], pick: Callable[[Round], Measured]) -> tupl
     )
     notes = [line for r in rounds for line in pick(r).notes]
     return Measured(row, chosen.cpu, notes), ratios[middle]
+
+
+def budget(one: Round, cores: int, target: float = 0.8) -> str:
+    """What ``target`` times the round's transport ceiling leaves the service and its stores of the CPU
+    of ``cores`` cores, if they did nothing else and the host took none, against what `up` spent in
+    that round (ms per dual event); and how busy the ceiling itself kept the cores."""
+    rate = target * one.transport
+    have = cores * 1000 / rate
+    carrying = one.up.cpu.get("load generator", 0.0) + one.up.cpu.get("RabbitMQ", 0.0)
+    storing = sum(one.up.cpu.get(group, 0.0) for group in ("service", "Postgres", "Redis"))
+    under_ceiling = sum(one.transport_cpu.values())
+    return (
+        f"At {target}× the transport ceiling of the round of `up`'s median ({rate:,.0f} of "
+        f"{one.transport:,.0f}/s), {cores} cores have {have:.2f} ms of CPU per dual event, all of "
+        f"them busy. In `up` the load generator and RabbitMQ spent {carrying:.2f} ms of it, which "
+        f"leaves {have - carrying:.2f} ms for the service, Postgres and Redis: they spent "
+        f"{storing:.2f} ms. The ceiling itself cost the machine {under_ceiling:.2f} ms per event and "
+        f"kept the cores {under_ceiling * one.transport / (cores * 10):.0f} % busy."
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from bench.harness import (
     cli,
     post_all,
 )
-from bench.measure import Traced, machine_meter, status_mb
+from bench.measure import Traced, dual_cpu, machine_meter, status_mb
 from bench.report import Report, Row
 from bench.service import (
     Running,
@@ -148,20 +147,15 @@ async def measure_channels(
     iso = Isolation()
     try:
         async with running(iso, layout, replicas) as service, publisher(iso, offset, n, rate) as go:
-            meter = machine_meter(lambda: service.pids)
-            meter.start()
-            children = _children_cpu()
             webhook: LoadResult | None = None
-            if dual:
-                webhook, times = await asyncio.gather(
-                    post_all(service.urls, bodies, 64, 300, rate=rate), go()
-                )
-            else:
-                times = await go()
-            await wait_traced(iso, n, 300)
-            used = meter.stop()
-            # The publisher, reaped by now, minus what it spent preparing before the window.
-            used["load generator"] += _children_cpu() - children - go.preparing_cpu
+            with dual_cpu(lambda: service.pids, go) as used:
+                if dual:
+                    webhook, times = await asyncio.gather(
+                        post_all(service.urls, bodies, 64, 300, rate=rate), go()
+                    )
+                else:
+                    times = await go()
+                await wait_traced(iso, n, 300)
             traced = Traced.read(iso.trace_dir)
             sent = read_times(times, keys)
             if webhook is not None:
@@ -188,12 +182,6 @@ async def measure_channels(
             return measured
     finally:
         await iso.cleanup()
-
-
-def _children_cpu() -> float:
-    """CPU time of our children that have exited (the publisher, once it is done)."""
-    times = os.times()
-    return times.children_user + times.children_system
 
 
 async def backlog(report: Report, n: int, offset: int) -> None:

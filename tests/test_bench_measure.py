@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,20 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
         cpu_stall_ms=4_000.0, io_stall_ms=250.0, stolen_ms=750.0, checkpoints=1,
         checkpoint_sync_ms=48.0, wal_bytes=8_000.0, full_page_images=20, blocks_read=3,
     )  # fmt: skip
+
+
+async def test_the_publishers_cpu_counts_with_the_load_generator_without_its_preparing() -> None:
+    # A child that spends CPU, like the publisher, reaped inside the window; it says it spent
+    # 0.05 s preparing before the window, which is not the window's.
+    class Publisher:
+        preparing_cpu = 0.05
+
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    with measure.dual_cpu(lambda: [], Publisher()) as used:
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", burn)
+        await child.wait()
+        assert used == {}  # filled in when the window ends
+    assert set(used) == {"service", "load generator", "RabbitMQ", "Postgres", "Redis"}
+    assert used["service"] == 0.0  # no process in that group
+    # This process's own CPU over the window is small; the child's 0.3 s, less 0.05, is the rest.
+    assert 0.2 <= used["load generator"] <= 0.6

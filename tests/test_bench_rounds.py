@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.report import Row
-from bench.rounds import Round, median_round, median_transport, stolen_shares
+from bench.rounds import Round, budget, median_index, median_round, median_transport, stolen_shares
 from bench.scenarios import Measured
 
 
@@ -63,3 +63,33 @@ def test_each_rounds_steal_is_given_per_scenario() -> None:
     one = Round(1000, _round(1000, 800, 700).up, _round(1000, 800, 700).split, (0.012, 0.05, 0.1049))
     assert stolen_shares(one) == "1.2 % / 5.0 % / 10.5 %"
     assert stolen_shares(_round(1000, 800, 700)) == "0.0 % / 0.0 % / 0.0 %"  # none measured
+
+
+def test_the_budget_is_what_the_target_leaves_the_service_and_its_stores() -> None:
+    one = _round(2000, 900, 800)
+    one.up.cpu = {"service": 0.5, "load generator": 0.4, "RabbitMQ": 0.3, "Postgres": 0.2, "Redis": 0.05}
+    one.transport_cpu = {
+        "service": 0.1,
+        "load generator": 0.35,
+        "RabbitMQ": 0.3,
+        "Postgres": 0.0,
+        "Redis": 0.0,
+    }
+
+    # 0.8 x 2,000/s = 1,600/s; 2 cores give 2,000 ms a second: 1.25 ms per event. The load
+    # generator and RabbitMQ took 0.70 of it, which leaves 0.55; the service and the stores spent
+    # 0.75. The ceiling cost 0.75 ms per event at 2,000/s: 1,500 of 2,000 ms a second.
+    times = "\N{MULTIPLICATION SIGN}"
+    assert budget(one, 2) == (
+        f"At 0.8{times} the transport ceiling of the round of `up`'s median (1,600 of 2,000/s), 2 cores have "
+        "1.25 ms of CPU per dual event, all of them busy. In `up` the load generator and RabbitMQ spent "
+        "0.70 ms of it, which leaves 0.55 ms for the service, Postgres and Redis: they spent 0.75 ms. "
+        "The ceiling itself cost the machine 0.75 ms per event and kept the cores 75 % busy."
+    )
+
+
+def test_the_round_that_stands_for_a_scenario_is_the_one_of_its_median_ratio() -> None:
+    rounds = [_round(1000, 750, 700), _round(1000, 900, 600), _round(1200, 960, 500)]
+    assert median_index(rounds, lambda r: r.up) == 2  # ratios 0.75, 0.9, 0.8
+    assert median_index(rounds, lambda r: r.split) == 1  # ratios 0.7, 0.6, 0.42
+    assert median_index(rounds[:2], lambda r: r.up) == 0  # the lower of two
