@@ -111,8 +111,9 @@ def budget(one: Round, cores: int, target: float = 0.8) -> str:
     that round (ms per dual event); and how busy the ceiling itself kept the cores."""
     rate = target * one.transport
     have = cores * 1000 / rate
-    carrying = one.up.cpu.get("load generator", 0.0) + one.up.cpu.get("RabbitMQ", 0.0)
-    storing = sum(one.up.cpu.get(group, 0.0) for group in ("service", "Postgres", "Redis"))
+    spent = one.up.cpu or {}  # none when the round traced nothing: the note still comes out
+    carrying = spent.get("load generator", 0.0) + spent.get("RabbitMQ", 0.0)
+    storing = sum(spent.get(group, 0.0) for group in ("service", "Postgres", "Redis"))
     under_ceiling = sum(one.transport_cpu.values())
     return (
         f"At {target}× the transport ceiling of the round of `up`'s median ({rate:,.0f} of "
