@@ -120,14 +120,15 @@ def machine_meter(service: Callable[[], Iterable[int]]) -> CpuMeter:
 def dual_cpu(service: Callable[[], Iterable[int]], publisher: Any) -> Iterator[dict[str, float]]:
     """CPU seconds of each group of the CPU table over the block, filled in when it ends. The
     publisher (``publisher``, the ``go`` of :func:`bench.service.publisher`, whose process the block
-    has reaped) counts with the load generator, without what it spent preparing its messages."""
+    has reaped) is a group of its own, without what it spent preparing its messages; the load
+    generator is this process (the HTTP load and the bench's own bookkeeping)."""
     meter = machine_meter(service)
     meter.start()
     children = children_cpu()
     used: dict[str, float] = {}
     yield used
     used.update(meter.stop())
-    used["load generator"] += children_cpu() - children - publisher.preparing_cpu
+    used["publisher"] = children_cpu() - children - publisher.preparing_cpu
 
 
 def children_cpu() -> float:

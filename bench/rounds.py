@@ -108,18 +108,28 @@ def median_round(rounds: list[Round], pick: Callable[[Round], Measured]) -> tupl
 def budget(one: Round, cores: int, target: float = 0.8) -> str:
     """What ``target`` times the round's transport ceiling leaves the service and its stores of the CPU
     of ``cores`` cores, if they did nothing else and the host took none, against what `up` spent in
-    that round (ms per dual event); and how busy the ceiling itself kept the cores."""
+    that round (ms per dual event); how busy the ceiling and `up` kept the cores; and what sending
+    the load cost under each."""
     rate = target * one.transport
     have = cores * 1000 / rate
     spent = one.up.cpu or {}  # none when the round traced nothing: the note still comes out
-    carrying = spent.get("load generator", 0.0) + spent.get("RabbitMQ", 0.0)
+    carrying = sum(spent.get(group, 0.0) for group in ("load generator", "publisher", "RabbitMQ"))
     storing = sum(spent.get(group, 0.0) for group in ("service", "Postgres", "Redis"))
     under_ceiling = sum(one.transport_cpu.values())
+
+    def busy(per_event: float, carried: float) -> str:
+        return f"{per_event * carried / (cores * 10):.0f} %"
+
+    def sending(group: str) -> str:
+        return f"the {group} {spent.get(group, 0.0):.2f} against {one.transport_cpu.get(group, 0.0):.2f} ms"
+
     return (
         f"At {target}× the transport ceiling of the round of `up`'s median ({rate:,.0f} of "
         f"{one.transport:,.0f}/s), {cores} cores have {have:.2f} ms of CPU per dual event, all of "
-        f"them busy. In `up` the load generator and RabbitMQ spent {carrying:.2f} ms of it, which "
-        f"leaves {have - carrying:.2f} ms for the service, Postgres and Redis: they spent "
-        f"{storing:.2f} ms. The ceiling itself cost the machine {under_ceiling:.2f} ms per event and "
-        f"kept the cores {under_ceiling * one.transport / (cores * 10):.0f} % busy."
+        f"them busy. In `up` the load generator, the publisher and RabbitMQ spent {carrying:.2f} ms "
+        f"of it, which leaves {have - carrying:.2f} ms for the service, Postgres and Redis: they "
+        f"spent {storing:.2f} ms. The ceiling itself cost the machine {under_ceiling:.2f} ms per "
+        f"event and kept the cores {busy(under_ceiling, one.transport)} busy; `up` kept them "
+        f"{busy(sum(spent.values()), one.up.rate)} busy. Sending the load cost per event under `up` "
+        f"and under the ceiling: {sending('load generator')}, {sending('publisher')}."
     )
