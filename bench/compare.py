@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,28 +69,27 @@ def summary(results: dict[str, list[Side]]) -> list[str]:
 async def compare(
     settings: str, n: int, rounds: int, layout: str, rate: float, offsets: Iterator[int]
 ) -> None:
+    tried = dict(pair.split("=", 1) for pair in settings.split(","))
     results: dict[str, list[Side]] = {DEFAULT: [], settings: []}
-    given = os.environ.get("BENCH_SETTINGS", "")
-    try:
-        for index in range(rounds):
-            steal = StealMeter()
-            ceiling, stolen = await steal.during(transport(n, next(offsets)))
-            parts = [
-                f"round {index + 1} of {rounds}: transport {ceiling:,.0f}/s (the host took {stolen:.1%})"
-            ]
-            for name in order(list(results), index):
-                os.environ["BENCH_SETTINGS"] = ",".join(
-                    filter(None, (given, "" if name == DEFAULT else name))
-                )
-                measured = await measure_channels(
-                    n, next(offsets), name=name, layout=layout, dual=True, cpu=True, rate=rate
-                )
-                side = Side(measured.rate / ceiling, measured)
-                results[name].append(side)
-                parts.append(side.line(name))
-            print("; ".join(parts), flush=True)
-    finally:
-        os.environ["BENCH_SETTINGS"] = given
+    for index in range(rounds):
+        steal = StealMeter()
+        ceiling, stolen = await steal.during(transport(n, next(offsets)))
+        parts = [f"round {index + 1} of {rounds}: transport {ceiling:,.0f}/s (the host took {stolen:.1%})"]
+        for name in order(list(results), index):
+            measured = await measure_channels(
+                n,
+                next(offsets),
+                name=name,
+                layout=layout,
+                dual=True,
+                cpu=True,
+                rate=rate,
+                settings=None if name == DEFAULT else tried,
+            )
+            side = Side(measured.rate / ceiling, measured)
+            results[name].append(side)
+            parts.append(side.line(name))
+        print("; ".join(parts), flush=True)
     print("\n".join(summary(results)))
 
 

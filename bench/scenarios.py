@@ -141,12 +141,17 @@ async def measure_channels(
     replicas: int = 1,
     cpu: bool = False,
     rate: float = 0.0,
+    settings: dict[str, str] | None = None,
 ) -> Measured:
-    """Events through RabbitMQ only, or on both channels at once (as Evolution sends them)."""
+    """Events through RabbitMQ only, or on both channels at once (as Evolution sends them);
+    ``settings``: more service settings, as for :func:`bench.service.running`."""
     bodies, keys = workload(offset, n)
     iso = Isolation()
     try:
-        async with running(iso, layout, replicas) as service, publisher(iso, offset, n, rate) as go:
+        async with (
+            running(iso, layout, replicas, **(settings or {})) as service,
+            publisher(iso, offset, n, rate) as go,
+        ):
             webhook: LoadResult | None = None
             with dual_cpu(lambda: service.pids, go) as used:
                 if dual:
