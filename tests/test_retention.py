@@ -23,8 +23,8 @@ from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import retention_sql
 from evolution_ingest.stores.deliveries import DELIVERIES
 from evolution_ingest.stores.inbox import BODIES, TABLE, VIEW
-from evolution_ingest.stores.retention import DEFAULT_PARTITION, Partition
-from tests.conftest import OpenRuntime, serving
+from evolution_ingest.stores.retention import DEFAULT_PARTITION, Partition, Retention
+from tests.conftest import DATABASE_URL, OpenRuntime, serving
 from tests.support import Recorder, fixture, fixtures, variants, wait_until
 from tests.test_admin import cli
 from tests.test_cli import env_for
@@ -287,3 +287,31 @@ async def test_a_step_reads_its_rows_by_their_ids_never_by_a_scan_of_the_inbox(
     plan = "\n".join(r[0] for r in await db.fetch(f"EXPLAIN (COSTS OFF) {query}", 0, 5000, 86400.0))
     assert f"Seq Scan on {TABLE}" not in plan, plan
     assert re.search(r"Index Cond: \(\(id > .+\) AND \(id <= \$\d+\)\)", plan), plan
+
+
+async def test_a_partitions_bodies_leave_under_its_own_lock_before_the_table_is_dropped(
+    open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
+) -> None:
+    """A DROP locks the parent table too, until the partition's files are gone: every save waits
+    that long. The bodies go first under a lock of the partition alone, so a save holding the
+    parent (here: a transaction that locked it as an insert does) does not keep them."""
+    async with open_runtime() as runtime, serving(runtime) as url:
+        for item in fixtures()[:3]:
+            async with http.post(url, data=orjson.dumps(item["webhook_body"])) as resp:
+                assert (await resp.json())["status"] == "processed"
+        assert await db.fetchval(f"SELECT count(*) FROM {BODIES}") == 3
+        retention = Retention(runtime.stores.db, lock_timeout_seconds=0.2)
+        held = await asyncpg.connect(DATABASE_URL, server_settings={"search_path": settings.database_schema})
+        try:
+            async with held.transaction():
+                await held.execute(f"LOCK TABLE ONLY {BODIES} IN ROW EXCLUSIVE MODE")
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await retention.drop_partitions(time.time() + 60, 3.0)
+                assert await db.fetchval(f"SELECT count(*) FROM {BODIES}") == 0
+            oldest = (await retention.partitions())[0]
+            dropped = await retention.drop_partitions(time.time() + 60, 3.0)
+        finally:
+            await held.close()
+        assert oldest in [d.partition for d in dropped]
+        assert oldest not in await retention.partitions()
+        assert await db.fetchval(f"SELECT count(*) FROM {TABLE}") == 3  # rows (keys) stay

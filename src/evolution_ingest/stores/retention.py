@@ -138,15 +138,22 @@ class Retention:
 
     async def _drop(self, partition: Partition) -> Dropped:
         await self._estimate_ready(partition.name)
-        async with self._db.connection() as conn, conn.transaction():
-            await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
-            rescued = await conn.execute(RESCUE.format(partition=partition.name))
-            # Counted from the statistics: a count(*) of a day's bodies would take seconds, in here.
-            bodies = await conn.fetchval(
-                "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)",
-                partition.name,
-            )
-            await conn.execute(f'DROP TABLE "{partition.name}"')
+        async with self._db.connection() as conn:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
+                rescued = await conn.execute(RESCUE.format(partition=partition.name))
+                # Counted from the statistics: a count(*) of a day's bodies would take seconds, in here.
+                bodies = await conn.fetchval(
+                    "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)",
+                    partition.name,
+                )
+                # Emptied first, under a lock of this partition alone. A DROP locks the parent
+                # table too, and holds that lock until the partition's files are gone from disk:
+                # a day's bodies (a gigabyte or more) kept every save waiting for half a second.
+                await conn.execute(f'TRUNCATE "{partition.name}"')
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL lock_timeout = {self._lock_timeout_ms}")
+                await conn.execute(f'DROP TABLE "{partition.name}"')
         return Dropped(partition, int(bodies), int(rescued.split()[-1]))
 
     async def _estimate_ready(self, name: str) -> None:
