@@ -23,7 +23,7 @@ from evolution_ingest.core.contract import Result
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import Envelope, parse_envelope
 from evolution_ingest.runtime import Runtime
-from evolution_ingest.stores.inbox import TABLE
+from evolution_ingest.stores.inbox import BODIES, TABLE
 from tests.conftest import INTERNAL_SECRET, OpenRuntime, serving
 from tests.support import Recorder, dead_port, fixture, fixtures, free_socket, wait_until
 from tests.test_cli import env_for, healthy
@@ -65,7 +65,10 @@ async def stuck_events(runtime: Runtime, db: asyncpg.Connection, items: list[dic
         envelope = parse_envelope(item["rabbitmq_body"])
         await runtime.inbox.save(envelope, Channel.RABBITMQ, None)
         keys.append(envelope.dedup_key)
-    await db.execute(f"UPDATE {TABLE} SET received_at = now() - interval '10 minutes'")
+    await db.execute(  # a body keeps its row's received_at (its partition key): both move
+        f"WITH aged AS (UPDATE {TABLE} SET received_at = now() - interval '10 minutes' RETURNING id, received_at) "
+        f"UPDATE {BODIES} AS b SET received_at = aged.received_at FROM aged WHERE b.event_id = aged.id"
+    )
     return keys
 
 

@@ -17,18 +17,19 @@ import orjson
 import pytest
 
 from evolution_ingest.config import Settings
+from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.operate.retention_job import RetentionJob
 from evolution_ingest.runtime import Runtime
 from evolution_ingest.stores import retention_sql
 from evolution_ingest.stores.deliveries import DELIVERIES
 from evolution_ingest.stores.inbox import BODIES, TABLE, VIEW
-from evolution_ingest.stores.retention import DEFAULT_PARTITION, Partition, Retention
+from evolution_ingest.stores.inbox_sql import STRIP_MEDIA
+from evolution_ingest.stores.retention import DEFAULT_PARTITION, PARTITION_PREFIX, Partition, Retention
 from tests.conftest import DATABASE_URL, OpenRuntime, serving
 from tests.support import Recorder, fixture, fixtures, variants, wait_until
 from tests.test_admin import cli
 from tests.test_cli import env_for
-from tests.test_reconciler import stuck_events
 
 SHORT: dict[str, Any] = {
     "retention_partition_seconds": 1.0,
@@ -83,7 +84,8 @@ async def test_old_bodies_then_old_rows_go_but_never_an_unprocessed_or_failed_on
         for item in done:
             async with http.post(url, data=orjson.dumps(item["webhook_body"])) as resp:
                 assert (await resp.json())["status"] == "processed"
-        await stuck_events(runtime, db, unfinished)
+        for item in unfinished:  # saved, never processed (as after a crash); bodies in this span's partition
+            await runtime.inbox.save(parse_envelope(item["rabbitmq_body"]), Channel.RABBITMQ, None)
         await db.execute(
             f"UPDATE {TABLE} SET failed_at = now(), attempts = 5 WHERE id = (SELECT max(id) FROM {TABLE})"
         )
@@ -190,6 +192,45 @@ async def test_media_leave_a_body_once_processed_when_asked(
     assert "base64" not in stored["data"]["message"]
     assert stored["data"]["message"]["imageMessage"] == body["data"]["message"]["imageMessage"]
     assert counted["retention:media_stripped"] == 1
+
+
+def scanned(plan: str) -> list[str]:
+    """The partitions of bodies an ``EXPLAIN (FORMAT JSON)`` plan scans (with ANALYZE: that ran)."""
+    found: list[str] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        name = node.get("Relation Name", "")
+        if "Scan" in node["Node Type"] and name.startswith(BODIES) and node.get("Actual Loops", 1) > 0:
+            found.append(name)
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(orjson.loads(plan)[0]["Plan"])
+    return found
+
+
+async def test_a_read_and_the_stripping_visit_only_the_partition_that_holds_the_body(
+    open_runtime: OpenRuntime, db: asyncpg.Connection, http: aiohttp.ClientSession
+) -> None:
+    """Many partitions (a short span): the view finds a body by its event id and its partition
+    key, so reading an event runs one partition's scan, not one per partition; the stripping
+    names the span of its batch's saves, so Postgres plans the partitions of that span alone."""
+    body = fixture("messages_upsert_image_incoming_with_base64")["webhook_body"]
+    async with open_runtime(retention_strip_media=True) as runtime, serving(runtime) as url:
+        await runtime.stores.retention.ensure_partitions(time.time(), 1.0, 40.0)
+        assert len(await runtime.stores.retention.partitions()) > 40
+        async with http.post(url, data=orjson.dumps(body)) as resp:
+            assert (await resp.json())["status"] == "processed"
+    row = await db.fetchrow(f"SELECT id, received_at FROM {TABLE}")
+    holding = await db.fetchval(f"SELECT tableoid::regclass::text FROM {BODIES}")
+    assert holding.startswith(PARTITION_PREFIX)
+    by_id = f"SELECT payload FROM {VIEW} WHERE id = $1"
+    read = await db.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {by_id}", row["id"])
+    assert scanned(read) == [holding], read
+    assert (await db.fetchval(by_id, row["id"]))["event"] == body["event"]
+    at = row["received_at"]
+    strip = await db.fetchval(f"EXPLAIN (FORMAT JSON) {STRIP_MEDIA}", [row["id"]], at, at)
+    assert scanned(strip) == [holding], strip
 
 
 async def test_retention_alongside_a_load_loses_and_doubles_nothing(

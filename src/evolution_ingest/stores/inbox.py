@@ -223,10 +223,12 @@ class PostgresInbox:
         return await self._marks(row_id)
 
     async def _mark_batch(self, ids: list[int]) -> list[bool]:
-        done = {record["id"] for record in await self._batch(MARK_PROCESSED, ids)}
-        if self._strip_media is not None and done:
+        marked = await self._batch(MARK_PROCESSED, ids)
+        done = {record["id"] for record in marked}
+        if self._strip_media is not None and marked:
+            received = [record["received_at"] for record in marked]
             try:  # the marks are committed: a failure here only leaves the media in
-                stripped = len(await self._batch(STRIP_MEDIA, sorted(done)))
+                stripped = len(await self._batch(STRIP_MEDIA, sorted(done), min(received), max(received)))
                 self._strip_media.incr("retention:media_stripped", stripped)
             except asyncpg.PostgresError as exc:
                 log.warning("media not stripped from processed bodies", error=repr(exc))

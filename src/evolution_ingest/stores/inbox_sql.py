@@ -71,15 +71,17 @@ UPDATE {TABLE} AS e SET processed_at = now(), attempts = e.attempts + 1, last_at
 FROM (SELECT id FROM {TABLE} WHERE id = ANY($1::bigint[]) AND processed_at IS NULL
       ORDER BY dedup_key FOR UPDATE) AS locked
 WHERE e.id = locked.id
-RETURNING e.id
+RETURNING e.id, e.received_at
 """
 
 # The media an Evolution body carries in base64 (WEBHOOK_BASE64 / RabbitMQ with base64 on),
 # removed once business logic ran when RETENTION_STRIP_MEDIA is on. A body kept as exact text
-# (odd characters, ``payload_text``) is left whole.
+# (odd characters, ``payload_text``) is left whole. The span of the batch's received_at ($2, $3)
+# names the partitions that can hold its bodies, so that Postgres visits those alone.
 STRIP_MEDIA = f"""
 UPDATE {BODIES} SET payload = payload #- '{{data,message,base64}}'
-WHERE event_id = ANY($1::bigint[]) AND payload_text IS NULL AND payload->'data'->'message' ? 'base64'
+WHERE event_id = ANY($1::bigint[]) AND received_at BETWEEN $2 AND $3
+  AND payload_text IS NULL AND payload->'data'->'message' ? 'base64'
 RETURNING event_id
 """
 
