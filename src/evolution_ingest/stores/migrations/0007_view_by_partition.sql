@@ -1,8 +1,9 @@
 -- The view finds a row's body by its partition key too. A body is saved with its row's
 -- received_at (and retention moves and drops bodies by that pair), so the pair names the
--- body, and Postgres then visits only the partition that holds it instead of probing every
--- partition's primary key for the event id: with hourly partitions (a short
--- RETENTION_PARTITION_SECONDS) that is one probe instead of some hundreds for each row read.
+-- body, and a read of many rows (the reconciler's pages, replay's) then visits only the
+-- partition that holds each body instead of probing every partition for the event id: with
+-- hourly partitions (a short RETENTION_PARTITION_SECONDS), one probe a row instead of some
+-- hundreds.
 -- The columns are the same, in the same order: a catalog change only.
 CREATE OR REPLACE VIEW evolution_ingestion_events AS
 SELECT i.id, i.dedup_key, i.event, i.instance, i.channel,
