@@ -213,8 +213,9 @@ async def test_a_read_and_the_stripping_visit_only_the_partition_that_holds_the_
     open_runtime: OpenRuntime, db: asyncpg.Connection, http: aiohttp.ClientSession
 ) -> None:
     """Many partitions (a short span): the view finds a body by its event id and its partition
-    key, so reading an event runs one partition's scan, not one per partition; the stripping
-    names the span of its batch's saves, so Postgres plans the partitions of that span alone."""
+    key, so a page of rows (as the reconciler and replay read) runs the scan of the partition
+    that holds each body, not one per partition; the stripping names the span of its batch's
+    saves, so Postgres plans the partitions of that span alone."""
     body = fixture("messages_upsert_image_incoming_with_base64")["webhook_body"]
     async with open_runtime(retention_strip_media=True) as runtime, serving(runtime) as url:
         await runtime.stores.retention.ensure_partitions(time.time(), 1.0, 40.0)
@@ -224,10 +225,14 @@ async def test_a_read_and_the_stripping_visit_only_the_partition_that_holds_the_
     row = await db.fetchrow(f"SELECT id, received_at FROM {TABLE}")
     holding = await db.fetchval(f"SELECT tableoid::regclass::text FROM {BODIES}")
     assert holding.startswith(PARTITION_PREFIX)
-    by_id = f"SELECT payload FROM {VIEW} WHERE id = $1"
-    read = await db.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {by_id}", row["id"])
+    page = f"SELECT id, payload FROM {VIEW} WHERE received_at > now() - interval '1 hour' ORDER BY received_at, id"
+    # On tables this small the planner may hash the whole bodies table; on large ones it loops
+    # over the page's rows (measured in docs/retention.md): plan that loop, as there.
+    async with db.transaction():
+        await db.execute("SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off")
+        read = await db.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {page}")
     assert scanned(read) == [holding], read
-    assert (await db.fetchval(by_id, row["id"]))["event"] == body["event"]
+    assert [r["payload"]["event"] for r in await db.fetch(page)] == [body["event"]]
     at = row["received_at"]
     strip = await db.fetchval(f"EXPLAIN (FORMAT JSON) {STRIP_MEDIA}", [row["id"]], at, at)
     assert scanned(strip) == [holding], strip
