@@ -24,7 +24,7 @@ from tests.conftest import RABBITMQ_URL, OpenRuntime, running_service, serving, 
 from tests.support import Recorder, dead_port, fixture, fixtures, wait_until
 from tests.support.evolution import EvolutionPublisher, broker, depth, remove
 from tests.test_cli import env_for
-from tests.test_reconciler import reconciler_for, stuck_events
+from tests.test_reconciler import backdate, reconciler_for, stuck_events
 
 
 async def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,7 +158,7 @@ async def test_purge_never_removes_an_unprocessed_row_and_refuses_a_short_age(
     open_runtime: OpenRuntime, db: asyncpg.Connection, settings: Settings, http: aiohttp.ClientSession
 ) -> None:
     await _processed_and_stuck(open_runtime, db, http, fixtures()[:4])
-    await db.execute(f"UPDATE {TABLE} SET received_at = now() - interval '3 days'")
+    await backdate(db, "3 days")
     await db.execute(
         f"UPDATE {TABLE} SET processed_at = now() - interval '3 days' WHERE processed_at IS NOT NULL"
     )
@@ -178,6 +178,7 @@ async def test_purge_never_removes_an_unprocessed_row_and_refuses_a_short_age(
     left = await db.fetch(f"SELECT processed_at FROM {TABLE}")
     assert len(left) == 2
     assert all(r["processed_at"] is None for r in left)  # the unprocessed and the failed one stay
+    assert await db.fetchval(f"SELECT count(*) FROM {BODIES}") == 2  # the purged rows' bodies went too
     forced = await cli_json(env, "purge", "--older-than", "1s", "--force")
     assert forced["rows_deleted"] == 0
 

@@ -65,11 +65,17 @@ async def stuck_events(runtime: Runtime, db: asyncpg.Connection, items: list[dic
         envelope = parse_envelope(item["rabbitmq_body"])
         await runtime.inbox.save(envelope, Channel.RABBITMQ, None)
         keys.append(envelope.dedup_key)
-    await db.execute(  # a body keeps its row's received_at (its partition key): both move
-        f"WITH aged AS (UPDATE {TABLE} SET received_at = now() - interval '10 minutes' RETURNING id, received_at) "
-        f"UPDATE {BODIES} AS b SET received_at = aged.received_at FROM aged WHERE b.event_id = aged.id"
-    )
+    await backdate(db, "10 minutes")
     return keys
+
+
+async def backdate(db: asyncpg.Connection, age: str) -> None:
+    """Every row received ``age`` ago; a body keeps its row's received_at (its partition key)."""
+    await db.execute(
+        f"WITH aged AS (UPDATE {TABLE} SET received_at = now() - $1::text::interval RETURNING id, received_at) "
+        f"UPDATE {BODIES} AS b SET received_at = aged.received_at FROM aged WHERE b.event_id = aged.id",
+        age,
+    )
 
 
 async def test_a_webhook_app_killed_after_saving_is_healed_by_the_next_pass_once(
