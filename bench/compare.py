@@ -7,8 +7,9 @@ A lever worth a few per cent cannot be told from a shared machine's drift by two
 apart. Each round measures the transport ceiling, then the service with the default settings and
 with ``SETTINGS`` (comma-separated ``NAME=value`` pairs, as in ``EVOLUTION_INGEST_NAME``), both
 channels, in an order that alternates from round to round, each on ids of its own; every line
-gives each one's ratio to its round's ceiling, the CPU the service and Postgres spent per dual
-event, the webhook p50/p99, and events lost and processed twice. The summary gives the medians.
+gives each one's ratio to its round's ceiling, the CPU the service, Postgres and RabbitMQ spent per
+dual event and that of every process of the machine together, the webhook p50/p99, and events
+lost and processed twice. The summary gives the medians.
 With ``--rate``, both run open loop at that rate (the tail at a given load, not the throughput).
 """
 
@@ -39,7 +40,8 @@ class Side:
         row, cpu = self.measured.row, self.measured.cpu or {}
         return (
             f"{name}: {row.rate:,.0f}/s {self.ratio:.2f}×, service {cpu.get('service', 0.0):.3f} ms, "
-            f"Postgres {cpu.get('Postgres', 0.0):.3f} ms, webhook p50/p99 {row.webhook_p50 or 0:.0f}/"
+            f"Postgres {cpu.get('Postgres', 0.0):.3f} ms, RabbitMQ {cpu.get('RabbitMQ', 0.0):.3f} ms, "
+            f"all {sum(cpu.values()):.3f} ms, webhook p50/p99 {row.webhook_p50 or 0:.0f}/"
             f"{row.webhook_p99 or 0:.0f} ms, lost {row.lost}, doubled {row.doubled}"
         )
 
@@ -58,7 +60,8 @@ def summary(results: dict[str, list[Side]]) -> list[str]:
     return [
         f"{name}: ratios {', '.join(f'{s.ratio:.2f}' for s in sides)}; median "
         f"{statistics.median(s.ratio for s in sides):.2f}×, service {median(sides, 'service'):.3f} ms, "
-        f"Postgres {median(sides, 'Postgres'):.3f} ms, webhook p99 "
+        f"Postgres {median(sides, 'Postgres'):.3f} ms, RabbitMQ {median(sides, 'RabbitMQ'):.3f} ms, "
+        f"all {statistics.median(sum((s.measured.cpu or {}).values()) for s in sides):.3f} ms, webhook p99 "
         f"{statistics.median(s.measured.row.webhook_p99 or 0 for s in sides):.0f} ms; "
         f"lost {sum(s.measured.row.lost or 0 for s in sides)}, doubled "
         f"{sum(s.measured.row.doubled or 0 for s in sides)}"
