@@ -90,6 +90,8 @@ async def bare_http(
 
 #: How long the copies may stop coming, once everything is sent, before a receiver counts as stalled.
 _STALLED_SECONDS = 30.0
+#: The longest wait for the copies, however slowly they still come.
+_WAIT_SECONDS = 300.0
 
 
 async def transport(n: int, offset: int, *, lean: bool = False, cpu: dict[str, float] | None = None) -> float:
@@ -141,16 +143,19 @@ async def _transport_once(
 
 
 async def _copies_received(base: str, n: int) -> int:
-    """Wait until the receiver at ``base`` has ``n`` copies, or gets none for a while: how many it has."""
+    """Wait until the receiver at ``base`` has ``n`` copies, gets none for a while, or the wait's
+    bound has passed: how many it has."""
     last, moved = -1, time.monotonic()
+    deadline = moved + _WAIT_SECONDS
     async with aiohttp.ClientSession() as http:
         while True:
             async with http.get(f"{base}/consumed") as resp:
                 consumed = (await resp.json())["consumed"]
-            if consumed >= n:
+            now = time.monotonic()
+            if consumed >= n or now > deadline:
                 return consumed
             if consumed != last:
-                last, moved = consumed, time.monotonic()
-            elif time.monotonic() - moved > _STALLED_SECONDS:
+                last, moved = consumed, now
+            elif now - moved > _STALLED_SECONDS:
                 return consumed
             await asyncio.sleep(0.02)
