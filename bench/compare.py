@@ -36,12 +36,17 @@ class Side:
     ratio: float
     measured: Measured
 
+    def cpu(self, pick: str) -> float:
+        """ms of CPU per dual event of one group of the CPU table, or of every group (``all``)."""
+        used = self.measured.cpu or {}
+        return sum(used.values()) if pick == "all" else used.get(pick, 0.0)
+
     def line(self, name: str) -> str:
-        row, cpu = self.measured.row, self.measured.cpu or {}
+        row = self.measured.row
         return (
-            f"{name}: {row.rate:,.0f}/s {self.ratio:.2f}×, service {cpu.get('service', 0.0):.3f} ms, "
-            f"Postgres {cpu.get('Postgres', 0.0):.3f} ms, RabbitMQ {cpu.get('RabbitMQ', 0.0):.3f} ms, "
-            f"all {sum(cpu.values()):.3f} ms, webhook p50/p99 {row.webhook_p50 or 0:.0f}/"
+            f"{name}: {row.rate:,.0f}/s {self.ratio:.2f}×, service {self.cpu('service'):.3f} ms, "
+            f"Postgres {self.cpu('Postgres'):.3f} ms, RabbitMQ {self.cpu('RabbitMQ'):.3f} ms, "
+            f"all {self.cpu('all'):.3f} ms, webhook p50/p99 {row.webhook_p50 or 0:.0f}/"
             f"{row.webhook_p99 or 0:.0f} ms, lost {row.lost}, doubled {row.doubled}"
         )
 
@@ -55,13 +60,13 @@ def summary(results: dict[str, list[Side]]) -> list[str]:
     """Each setting's ratios over the rounds and the medians of its figures."""
 
     def median(sides: list[Side], pick: str) -> float:
-        return statistics.median((s.measured.cpu or {}).get(pick, 0.0) for s in sides)
+        return statistics.median(s.cpu(pick) for s in sides)
 
     return [
         f"{name}: ratios {', '.join(f'{s.ratio:.2f}' for s in sides)}; median "
         f"{statistics.median(s.ratio for s in sides):.2f}×, service {median(sides, 'service'):.3f} ms, "
         f"Postgres {median(sides, 'Postgres'):.3f} ms, RabbitMQ {median(sides, 'RabbitMQ'):.3f} ms, "
-        f"all {statistics.median(sum((s.measured.cpu or {}).values()) for s in sides):.3f} ms, webhook p99 "
+        f"all {median(sides, 'all'):.3f} ms, webhook p99 "
         f"{statistics.median(s.measured.row.webhook_p99 or 0 for s in sides):.0f} ms; "
         f"lost {sum(s.measured.row.lost or 0 for s in sides)}, doubled "
         f"{sum(s.measured.row.doubled or 0 for s in sides)}"
