@@ -161,7 +161,15 @@ async def _half_load(
     result, machine = await meter.during(post_all(service.urls, bodies, 256, 300, rate=rate))
     await wait_traced(iso, done + len(bodies), 60)
     report.rows.append(
-        _row(name, len(bodies), result, Traced.read(iso.trace_dir), keys, service, note=str(machine))
+        _row(
+            name,
+            len(bodies),
+            result,
+            Traced.read(iso.trace_dir),
+            keys,
+            service,
+            note=f"{machine}; {machine.per_event(len(bodies))}",
+        )
     )
     return result
 
@@ -197,7 +205,8 @@ async def _purge_rows(
         offset += len(keys)
         await wait_traced(iso, done + during.count, 120)
         report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count, during,
-                                Traced.read(iso.trace_dir), keys, service, note=f"{note}; {machine}"))  # fmt: skip
+                                Traced.read(iso.trace_dir), keys, service,
+                                note=f"{note}; {machine}; with the purge's own: {machine.per_event(during.count)}"))  # fmt: skip
         for run in (1, 2):
             bodies, calm = workload(offset, n)
             offset += n
