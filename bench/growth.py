@@ -22,7 +22,7 @@ import orjson
 
 from bench.events import unique_event
 from bench.harness import DATABASE_URL, Isolation, LoadResult, cli, median, post_all
-from bench.measure import Pressure, PressureMeter, Traced
+from bench.measure import Pressure, PressureMeter, Traced, WindowCpu, cpu_note
 from bench.report import Report, Row
 from bench.service import Running, e2e, running, service_env, wait_traced, workload
 from evolution_ingest.stores.retention import Partition
@@ -158,8 +158,11 @@ async def _half_load(
 ) -> LoadResult:  # fmt: skip
     """One half-load run without a purge: a row of the report, with what the machine went through."""
     done = iso.traced()
+    cpu = WindowCpu(lambda: service.pids)
+    cpu.start()
     result, machine = await meter.during(post_all(service.urls, bodies, 256, 300, rate=rate))
     await wait_traced(iso, done + len(bodies), 60)
+    spent = cpu.stop_per(len(bodies))
     report.rows.append(
         _row(
             name,
@@ -168,7 +171,7 @@ async def _half_load(
             Traced.read(iso.trace_dir),
             keys,
             service,
-            note=f"{machine}; {machine.per_event(len(bodies))}",
+            note=f"{machine}; {machine.per_event(len(bodies))}; {cpu_note(spent)}",
         )
     )
     return result
@@ -201,12 +204,16 @@ async def _purge_rows(
             baselines.append(await _half_load(report, iso, service, meter, bodies, calm, rate, name))
         done = iso.traced()
         await checkpoint(conn)
+        cpu = WindowCpu(lambda: service.pids, children="purge")
+        cpu.start()
         (during, keys, note), machine = await meter.during(_purge_under_load(iso, service, offset, rate))
         offset += len(keys)
         await wait_traced(iso, done + during.count, 120)
+        spent = cpu.stop_per(during.count)
         report.rows.append(_row(f"growth: at half load during a purge of {purged:,} rows", during.count, during,
                                 Traced.read(iso.trace_dir), keys, service,
-                                note=f"{note}; {machine}; with the purge's own: {machine.per_event(during.count)}"))  # fmt: skip
+                                note=f"{note}; {machine}; with the purge's own: {machine.per_event(during.count)}; "
+                                     f"{cpu_note(spent)}"))  # fmt: skip
         for run in (1, 2):
             bodies, calm = workload(offset, n)
             offset += n

@@ -16,25 +16,43 @@ T = TypeVar("T")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (0 when it is gone)."""
+def cpu_seconds(pid: int, reaped: bool = False) -> float:
+    """User + system CPU time of a process so far (0 when it is gone); with ``reaped``, with
+    that of its children that have exited and that it has waited for."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICKS
+
+
+def _machine_ticks(path: str) -> list[int]:
+    """The machine's line of /proc/stat: clock ticks of every core, summed, by state."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return []
+    return [int(field) for field in fields[1:]] if fields and fields[0] == "cpu" else []
 
 
 def stolen_seconds(path: str = "/proc/stat") -> float:
     """Seconds of this machine's cores that the host gave to others since boot, summed over the
     cores (``steal`` in /proc/stat; 0 where the kernel does not count it). A virtual machine's
     scenario runs slower in a window where this grows, whatever the code does."""
-    try:
-        with open(path, encoding="ascii") as stat:
-            fields = stat.readline().split()
-    except OSError:
-        return 0.0
-    return int(fields[8]) / _TICKS if len(fields) > 8 and fields[0] == "cpu" else 0.0
+    ticks = _machine_ticks(path)
+    return ticks[7] / _TICKS if len(ticks) > 7 else 0.0
+
+
+def busy_seconds(path: str = "/proc/stat") -> float:
+    """Seconds this machine's cores ran anything since boot, summed over the cores: user, nice,
+    system, irq and softirq in /proc/stat (not idle, I/O wait or steal) -- every process's and
+    the kernel's own threads'."""
+    ticks = _machine_ticks(path)
+    return sum(ticks[state] for state in (0, 1, 2, 5, 6) if state < len(ticks)) / _TICKS
 
 
 class StealMeter:
@@ -85,6 +103,11 @@ def status_mb(pid: int, field: str) -> float:
     return float("nan")
 
 
+#: Groups whose processes' exited children count as theirs: Postgres's postmaster reaps every
+#: backend that closes (a command's connection, a pool's), whose CPU would otherwise go uncounted.
+_REAPING = frozenset({"Postgres"})
+
+
 class CpuMeter:
     """CPU seconds spent by each group of processes between :meth:`start` and :meth:`stop`."""
 
@@ -93,7 +116,10 @@ class CpuMeter:
         self._before: dict[str, dict[int, float]] = {}
 
     def _sample(self) -> dict[str, dict[int, float]]:
-        return {name: {pid: cpu_seconds(pid) for pid in pids()} for name, pids in self._groups.items()}
+        return {
+            name: {pid: cpu_seconds(pid, reaped=name in _REAPING) for pid in pids()}
+            for name, pids in self._groups.items()
+        }
 
     def start(self) -> None:
         self._before = self._sample()
@@ -104,6 +130,8 @@ class CpuMeter:
         for name, pids in after.items():
             before = self._before.get(name, {})
             used[name] = sum(max(0.0, seconds - before.get(pid, 0.0)) for pid, seconds in pids.items())
+            if name in _REAPING:  # a child that exited is in its parent's count, whole life long
+                used[name] = max(0.0, used[name] - sum(s for pid, s in before.items() if pid not in pids))
         return used
 
     def stop_per(self, count: int) -> dict[str, float]:
@@ -129,6 +157,39 @@ def dual_cpu(service: Callable[[], Iterable[int]], publisher: Any) -> Iterator[d
     yield used
     used.update(meter.stop())
     used["publisher"] = children_cpu() - children - publisher.preparing_cpu
+
+
+def cpu_note(per_event: Mapping[str, float]) -> str:
+    """CPU ms per event of each group, for a row's note."""
+    return "CPU per event: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_event.items())
+
+
+class WindowCpu:
+    """The CPU a window of load cost per event: each group of the CPU table (the ``service``, this
+    process as the load generator, the stores), this process's children that exited meanwhile
+    (a command it ran, under ``children``), and the rest of the machine (the kernel's threads and
+    any other process), from the machine's busy time less all of those."""
+
+    def __init__(self, service: Callable[[], Iterable[int]], children: str | None = None) -> None:
+        self._meter = machine_meter(service)
+        self._children_name = children
+        self._children = 0.0
+        self._busy = 0.0
+
+    def start(self) -> None:
+        self._meter.start()
+        self._children = children_cpu()
+        self._busy = busy_seconds()
+
+    def stop_per(self, count: int) -> dict[str, float]:
+        """What each spent since :meth:`start`, in ms per one of ``count`` events."""
+        busy = busy_seconds() - self._busy
+        count = max(count, 1)
+        used = self._meter.stop()
+        if self._children_name is not None:
+            used[self._children_name] = children_cpu() - self._children
+        used["rest of the machine"] = max(0.0, busy - sum(used.values()))
+        return {name: seconds / count * 1000 for name, seconds in used.items()}
 
 
 def children_cpu() -> float:

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from bench import measure
-from bench.measure import Pressure, PressureMeter, StealMeter, stolen_seconds
+from bench.measure import (
+    CpuMeter,
+    Pressure,
+    PressureMeter,
+    StealMeter,
+    WindowCpu,
+    busy_seconds,
+    cpu_seconds,
+    stolen_seconds,
+)
 
 
 def test_stolen_seconds_are_the_steal_column_of_the_machines_line(tmp_path: Path) -> None:
@@ -20,6 +30,57 @@ def test_stolen_seconds_are_the_steal_column_of_the_machines_line(tmp_path: Path
     stat.write_text("cpu  100 0 50 1000\n", encoding="ascii")  # a kernel that does not count it
     assert stolen_seconds(str(stat)) == 0.0
     assert stolen_seconds(str(tmp_path / "missing")) == 0.0
+
+
+def test_busy_seconds_are_every_state_that_ran_something(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal: idle, I/O wait and steal ran nothing here
+    stat.write_text("cpu  100 20 50 1000 5 3 7 250 0 0\n", encoding="ascii")
+    assert busy_seconds(str(stat)) == (100 + 20 + 50 + 3 + 7) / measure._TICKS
+    assert busy_seconds(str(tmp_path / "missing")) == 0.0
+
+
+async def test_a_process_counts_the_children_it_reaped_only_when_asked() -> None:
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    own, reaped = cpu_seconds(os.getpid()), cpu_seconds(os.getpid(), reaped=True)
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", burn)
+    await child.wait()
+    assert cpu_seconds(os.getpid()) - own < 0.15  # it only waited
+    assert 0.25 <= cpu_seconds(os.getpid(), reaped=True) - reaped <= 0.6
+
+
+def test_postgres_counts_a_backend_that_closed_for_its_share_of_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The postmaster (1) and a backend (2) that had spent 3 s when the window began, 1 s more in
+    # it, and closed: the postmaster's count then holds the backend's whole 4 s.
+    pids = iter([[1, 2], [1]])
+    seconds = iter([5.0, 3.0, 5.0 + 1.0 + 4.0])
+    monkeypatch.setattr(measure, "cpu_seconds", lambda pid, reaped=False: next(seconds))
+    meter = CpuMeter({"Postgres": lambda: next(pids)})
+    meter.start()
+    assert meter.stop() == {"Postgres": pytest.approx(1.0 + 1.0)}  # its own 1 s, and the backend's
+
+
+def test_a_windows_cpu_leaves_the_rest_of_the_machine_to_what_no_group_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    busy = iter([100.0, 100.0 + 8.0])  # the cores ran something 8 s of the window
+    children = iter([1.0, 1.0 + 0.5])  # a command this process ran and reaped: 0.5 s
+    groups = iter([{"service": 2.0, "Postgres": 1.0}])
+    monkeypatch.setattr(measure, "busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(measure, "children_cpu", lambda: next(children))
+    monkeypatch.setattr(CpuMeter, "start", lambda self: None)
+    monkeypatch.setattr(CpuMeter, "stop", lambda self: next(groups))
+
+    cpu = WindowCpu(lambda: [], children="purge")
+    cpu.start()
+    assert cpu.stop_per(1_000) == pytest.approx(
+        {"service": 2.0, "Postgres": 1.0, "purge": 0.5, "rest of the machine": 4.5}  # ms per event
+    )
+    assert measure.cpu_note({"service": 0.2, "Postgres": 0.1126}) == (
+        "CPU per event: service 0.200 ms, Postgres 0.113 ms"
+    )
 
 
 def test_the_share_is_of_every_cores_time_over_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
