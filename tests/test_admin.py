@@ -175,11 +175,15 @@ async def test_purge_never_removes_an_unprocessed_row_and_refuses_a_short_age(
     assert await db.fetchval(f"SELECT count(*) FROM {TABLE}") == 4
     vacuumed = "SELECT last_vacuum FROM pg_stat_user_tables WHERE relid = $1::regclass"
     before = await db.fetchval(vacuumed, TABLE)
-    done = await cli_json(env, "purge", "--older-than", "2d", "--batch-size", "1")
-    assert done["rows_deleted"] == 2
-    # Without autovacuum the purge vacuums what it deleted; with it, it leaves that to autovacuum.
+    done = await cli(env, "purge", "--older-than", "2d", "--batch-size", "1")
+    assert done.returncode == 0, done.stderr
+    assert "purge: 2 processed row(s) older than 2d were deleted" in done.stdout
+    # Without autovacuum the purge vacuums what it deleted, and says so; with it, it leaves that
+    # to autovacuum.
+    autovacuum_off = await db.fetchval("SHOW autovacuum") != "on"
     after = await db.fetchval(vacuumed, TABLE)
-    assert (after is not None and after != before) == (await db.fetchval("SHOW autovacuum") != "on")
+    assert (after is not None and after != before) == autovacuum_off
+    assert ("vacuuming (autovacuum is off)" in done.stderr) == autovacuum_off
     left = await db.fetch(f"SELECT processed_at FROM {TABLE}")
     assert len(left) == 2
     assert all(r["processed_at"] is None for r in left)  # the unprocessed and the failed one stay

@@ -279,7 +279,8 @@ def purge(
                 if report.rows and not await retention.autovacuum_on():
                     # Nothing else would remove the deleted rows' versions and index entries, and
                     # until then Postgres spends more on every save (docs/performance.md).
-                    await retention.vacuum()
+                    with console.progress_bar("vacuuming (autovacuum is off)", None, enabled=not as_json):
+                        await retention.vacuum()
         return report.as_dict()
 
     result = run_async(unavailable_is_an_error(run_purge))
