@@ -33,6 +33,17 @@ def test_a_stored_body_gives_the_received_one_back(value: Any) -> None:
     assert codec.from_storage(codec.loads(stored.jsonb), stored.exact) == {"data": value}
 
 
+@pytest.mark.parametrize("number", [5.632245580526235e16, -1e16, 1.8e19])
+async def test_a_whole_double_of_1e16_and_up_is_a_double_again_after_jsonb(db: Any, number: float) -> None:
+    # jsonb keeps a decimal: 5.632245580526235e+16 comes out as 56322455805262350, an integer.
+    stored = codec.for_storage({"data": [number, 1.5, "e+16"]})
+    through = await db.fetchval("SELECT $1::text::jsonb::text", stored.jsonb)
+    back = codec.from_storage(codec.loads(through), stored.exact)
+    assert back == {"data": [number, 1.5, "e+16"]}
+    assert type(back["data"][0]) is float
+    assert codec.for_storage({"data": [2.5e19, 9.9e15, 1.2e286, "5e+16"]}).exact is None  # no text kept
+
+
 @given(st.dictionaries(_TEXT, _JSON, max_size=6))
 def test_the_canonical_form_ignores_key_order(value: dict[str, Any]) -> None:
     assert codec.canonical(dict(reversed(list(value.items())))) == codec.canonical(value)

@@ -13,7 +13,9 @@ hold, so each has a narrow fallback to the standard library:
 Postgres cannot hold NUL (``\\u0000``) in ``text`` or ``jsonb``, nor a lone surrogate in
 ``jsonb``. :func:`for_storage` then keeps the exact JSON text (pure ASCII, escapes
 intact) beside a ``jsonb`` copy in which those characters read U+FFFD:
-:func:`from_storage` gives the original back.
+:func:`from_storage` gives the original back. It does the same for a body holding a whole
+double of 1e16 or more within 64 bits (``5.6e+16``): ``jsonb`` keeps a decimal and gives it back
+as an integer.
 """
 
 from __future__ import annotations
@@ -189,7 +191,33 @@ def for_storage(value: Any) -> StoredJson:
         return StoredJson(orjson.dumps(scrub(value)).decode(), exact)
     if b"\\u0000" in text:  # a false hit (an escaped backslash before "u0000") only costs a copy
         return StoredJson(orjson.dumps(scrub(value)).decode(), text.decode())
+    if _LARGE_EXPONENT.search(text) and _has_integral_double(value):  # a false hit costs a walk
+        return StoredJson(text.decode(), text.decode())
     return StoredJson(text.decode())
+
+
+#: A number written with an exponent of 16 or more (orjson writes doubles from 1e16 up so).
+_LARGE_EXPONENT: Final = re.compile(rb"\de\+?(?:1[6-9]|[2-9]\d|\d{3})")
+
+
+def _has_integral_double(value: Any) -> bool:
+    """Whether ``value`` holds a double such as 5.6e16: whole, and within 64 bits, which jsonb
+    (a decimal) gives back as the integer 56000000000000000 -- the exact text must be kept."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif (
+            isinstance(item, float)
+            and item.is_integer()
+            and abs(item) >= 1e16
+            and _I64_MIN <= item <= _U64_MAX
+        ):
+            return True
+    return False
 
 
 def from_storage(jsonb: Any, exact: str | None) -> Any:
