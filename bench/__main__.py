@@ -134,7 +134,7 @@ async def main(args: argparse.Namespace) -> Report:
     # The other side of the webhook target, in the CPU table under the unique webhook events.
     report.cpu["for reference: the bare HTTP endpoint (its server under service)"] = bare_cpu
     await backlog(report, args.backlog, next(offsets))
-    await growth(report, n, next(offsets), args.prefill, args.purge)
+    await growth(report, n, offsets, args.prefill, args.purge, args.rounds)
     await soak(report, args.soak, next(offsets))
     return report
 
@@ -170,7 +170,8 @@ if __name__ == "__main__":
         "--rounds",
         type=int,
         default=3,
-        help="rounds of (transport ceiling, up, separate processes) for the both-channels targets",
+        help="rounds of (transport ceiling, up, separate processes) for the both-channels targets, "
+        "and of (empty inbox, full inbox) for the growth target",
     )
     parser.add_argument("--write", type=Path, help="also write the report to this Markdown file")
     args = parser.parse_args()

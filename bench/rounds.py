@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from bench.ceilings import transport
@@ -69,10 +69,23 @@ def median_transport(rounds: list[Round]) -> float:
     return statistics.median(r.transport for r in rounds)
 
 
+def lower_median(ratios: Sequence[float]) -> int:
+    """Where the median of ``ratios`` is (the lower one of an even count)."""
+    order = sorted(range(len(ratios)), key=ratios.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+
+def rounds_note(ratios: Sequence[float], each: Sequence[str], what: str) -> str:
+    """The note of a target measured in rounds: which median, then ``what`` was measured in each
+    round, then every round's ratio with its figures."""
+    median = "the lower median" if len(ratios) % 2 == 0 else "the median"
+    listed = ", ".join(f"{ratio:.2f}× ({figures})" for ratio, figures in zip(ratios, each, strict=True))
+    return f"{median} of {len(ratios)} rounds, {what}: {listed}"
+
+
 def median_index(rounds: list[Round], pick: Callable[[Round], Measured]) -> int:
     """Which round has the median ratio of ``pick`` to its own ceiling (the lower one of an even count)."""
-    order = sorted(range(len(rounds)), key=lambda i: pick(rounds[i]).rate / rounds[i].transport)
-    return order[(len(order) - 1) // 2]
+    return lower_median([pick(r).rate / r.transport for r in rounds])
 
 
 def median_round(rounds: list[Round], pick: Callable[[Round], Measured]) -> tuple[Measured, float]:
@@ -83,14 +96,10 @@ def median_round(rounds: list[Round], pick: Callable[[Round], Measured]) -> tupl
     middle = median_index(rounds, pick)
     chosen = pick(rounds[middle])
     rows = [pick(r).row for r in rounds]
-    each = ", ".join(
-        f"{ratio:.2f}× ({pick(r).rate:,.0f} of {r.transport:,.0f}/s)"
-        for r, ratio in zip(rounds, ratios, strict=True)
-    )
-    median = "the lower median" if len(rounds) % 2 == 0 else "the median"
+    each = [f"{pick(r).rate:,.0f} of {r.transport:,.0f}/s" for r in rounds]
+    what = "each against the transport ceiling measured just before it"
     note = (
-        f"{median} of {len(rounds)} rounds, each against the transport ceiling measured just before it: "
-        f"{each}; events, lost and doubled over all rounds"
+        f"{rounds_note(ratios, each, what)}; events, lost and doubled over all rounds"
         if len(rounds) > 1
         else ""
     )
