@@ -16,6 +16,10 @@ _CLAIMABLE = "(e.processed_at IS NULL AND (e.claimed_until IS NULL OR e.claimed_
 
 # Every batch locks its rows in dedup_key order, whatever the statement: two batches
 # touching the same rows then always queue up behind each other instead of deadlocking.
+# The locked rows are a MATERIALIZED set joined on id: seen through a subquery, the join would
+# carry the table's statistics on id, and planning it (every execution is planned) would look
+# up the primary key's real lowest and highest values, stepping over the entry of every row
+# deleted since the last vacuum (after a purge of a million, 2 ms more per statement).
 
 # ``xmax = 0``: the row was inserted by this statement (not updated), so its body is new.
 SAVE = f"""
@@ -66,10 +70,13 @@ RETURNING e.dedup_key, e.id, e.channel, e.received_at, e.attempts,
 """
 
 MARK_PROCESSED = f"""
+WITH locked AS MATERIALIZED (
+    SELECT id FROM {TABLE} WHERE id = ANY($1::bigint[]) AND processed_at IS NULL
+    ORDER BY dedup_key FOR UPDATE
+)
 UPDATE {TABLE} AS e SET processed_at = now(), attempts = e.attempts + 1, last_attempt_at = now(),
                         claim_token = NULL, claimed_until = NULL
-FROM (SELECT id FROM {TABLE} WHERE id = ANY($1::bigint[]) AND processed_at IS NULL
-      ORDER BY dedup_key FOR UPDATE) AS locked
+FROM locked
 WHERE e.id = locked.id
 RETURNING e.id, e.received_at
 """
@@ -87,9 +94,12 @@ RETURNING event_id
 
 SEEN = {
     channel: f"""
+WITH locked AS MATERIALIZED (
+    SELECT id FROM {TABLE} WHERE dedup_key = ANY($1::text[]) AND {column} IS NULL
+    ORDER BY dedup_key FOR UPDATE
+)
 UPDATE {TABLE} AS e SET {column} = COALESCE(e.{column}, now())
-FROM (SELECT id FROM {TABLE} WHERE dedup_key = ANY($1::text[]) AND {column} IS NULL
-      ORDER BY dedup_key FOR UPDATE) AS locked
+FROM locked
 WHERE e.id = locked.id
 """
     for channel, column in ((Channel.WEBHOOK, "webhook_seen_at"), (Channel.RABBITMQ, "rabbitmq_seen_at"))
