@@ -23,14 +23,17 @@ from tests.support import variants
 GROWN_TO = 20_000
 
 
-async def _scans_and_updates(db: asyncpg.Connection) -> tuple[int, int]:
+async def _inbox_counters(db: asyncpg.Connection) -> asyncpg.Record:
+    """The inbox's scans and row updates, and the blocks its primary key has been read for."""
     await db.execute("SELECT pg_stat_clear_snapshot()")
     row = await db.fetchrow(
-        "SELECT seq_scan, n_tup_upd FROM pg_stat_user_tables"
-        " WHERE relname = 'evolution_ingest_inbox' AND schemaname = current_schema()"
+        "SELECT t.seq_scan, t.n_tup_upd, i.idx_blks_hit + i.idx_blks_read AS key_blocks"
+        " FROM pg_stat_user_tables AS t JOIN pg_statio_user_indexes AS i USING (relid)"
+        " WHERE t.relname = 'evolution_ingest_inbox' AND t.schemaname = current_schema()"
+        " AND i.indexrelname = 'evolution_ingestion_events_pkey'"
     )
     assert row is not None
-    return row["seq_scan"], row["n_tup_upd"]
+    return row
 
 
 async def _go_through(inbox: PostgresInbox, item: dict[str, object]) -> None:
@@ -44,6 +47,34 @@ async def _go_through(inbox: PostgresInbox, item: dict[str, object]) -> None:
     await inbox.record_seen(envelope.dedup_key, Channel.RABBITMQ)
 
 
+async def _add_processed_rows(db: asyncpg.Connection, prefix: str, count: int) -> None:
+    await db.execute(
+        "INSERT INTO evolution_ingest_inbox (dedup_key, event, instance, channel, processed_at)"
+        " SELECT encode(sha256(($1 || n)::bytea), 'hex'), 'messages.upsert', 'acme-sales',"
+        " 'WEBHOOK', now() FROM generate_series(1, $2) AS n",
+        prefix,
+        count,
+    )
+
+
+async def _counted(
+    db: asyncpg.Connection, inbox: PostgresInbox, items: list[dict[str, object]], counter: str
+) -> tuple[int, int]:
+    """``counter`` of :func:`_inbox_counters` before and after ``items`` go through the hot path."""
+    before = await _inbox_counters(db)
+    for item in items:
+        await _go_through(inbox, item)
+    # The service's connections report their counters when idle, within a second or so:
+    # wait until these updates are counted, then take the figure reported with them.
+    deadline = time.monotonic() + 10
+    after = await _inbox_counters(db)
+    while after["n_tup_upd"] < before["n_tup_upd"] + 3 * len(items) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # wait-ok: polling the statistics until they are reported
+        after = await _inbox_counters(db)
+    assert after["n_tup_upd"] >= before["n_tup_upd"] + 3 * len(items)
+    return before[counter], after[counter]
+
+
 async def test_marks_claims_and_seen_updates_never_scan_the_inbox_once_it_has_grown(
     open_runtime: OpenRuntime, db: asyncpg.Connection
 ) -> None:
@@ -51,39 +82,13 @@ async def test_marks_claims_and_seen_updates_never_scan_the_inbox_once_it_has_gr
     async with open_runtime() as runtime:
         for item in early:  # more than five runs of each statement, on an inbox of a few rows
             await _go_through(runtime.inbox, item)
-        await db.execute(
-            "INSERT INTO evolution_ingest_inbox (dedup_key, event, instance, channel, processed_at)"
-            " SELECT encode(sha256(('grown-' || n)::bytea), 'hex'), 'messages.upsert', 'acme-sales',"
-            " 'WEBHOOK', now() FROM generate_series(1, $1) AS n",
-            GROWN_TO,
-        )
-        scans_before, updates_before = await _scans_and_updates(db)
-        for item in late:
-            await _go_through(runtime.inbox, item)
-        # The service's connections report their counters when idle, within a second or so:
-        # wait until this test's updates are counted, then read the scans reported with them.
-        deadline = time.monotonic() + 10
-        scans, updates = await _scans_and_updates(db)
-        while updates < updates_before + 3 * len(late) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)  # wait-ok: polling the statistics until they are reported
-            scans, updates = await _scans_and_updates(db)
-    assert updates >= updates_before + 3 * len(late)
+        await _add_processed_rows(db, "grown-", GROWN_TO)
+        scans_before, scans = await _counted(db, runtime.inbox, late, "seq_scan")
     assert scans == scans_before
 
 
 #: Rows deleted at once from the oldest end of an analyzed inbox, as a purge does.
 DELETED = 60_000
-
-
-async def _primary_key_blocks_and_updates(db: asyncpg.Connection) -> tuple[int, int]:
-    await db.execute("SELECT pg_stat_clear_snapshot()")
-    row = await db.fetchrow(
-        "SELECT i.idx_blks_hit + i.idx_blks_read AS blocks, t.n_tup_upd"
-        " FROM pg_statio_user_indexes AS i JOIN pg_stat_user_tables AS t USING (relid)"
-        " WHERE i.indexrelname = 'evolution_ingestion_events_pkey' AND i.schemaname = current_schema()"
-    )
-    assert row is not None
-    return row["blocks"], row["n_tup_upd"]
 
 
 async def test_marks_and_seen_updates_do_not_step_over_the_entries_of_rows_just_deleted(
@@ -95,27 +100,14 @@ async def test_marks_and_seen_updates_do_not_step_over_the_entries_of_rows_just_
     made each mark and seen update 2 ms of Postgres's CPU dearer until a vacuum. Joined to a
     materialized set of locked rows, they plan without it."""
     items = variants(8)
-    await db.execute(
-        "INSERT INTO evolution_ingest_inbox (dedup_key, event, instance, channel, processed_at)"
-        " SELECT encode(sha256(('old-' || n)::bytea), 'hex'), 'messages.upsert', 'acme-sales',"
-        " 'WEBHOOK', now() FROM generate_series(1, $1) AS n",
-        DELETED + 20_000,
-    )
+    await _add_processed_rows(db, "old-", DELETED + 20_000)
     await db.execute("ANALYZE evolution_ingest_inbox")  # as autovacuum would have
     await db.execute(
         "DELETE FROM evolution_ingest_inbox WHERE id IN (SELECT id FROM evolution_ingest_inbox ORDER BY id LIMIT $1)",
         DELETED,
     )
     async with open_runtime() as runtime:
-        blocks_before, updates_before = await _primary_key_blocks_and_updates(db)
-        for item in items:
-            await _go_through(runtime.inbox, item)
-        deadline = time.monotonic() + 10
-        blocks, updates = await _primary_key_blocks_and_updates(db)
-        while updates < updates_before + 3 * len(items) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)  # wait-ok: polling the statistics until they are reported
-            blocks, updates = await _primary_key_blocks_and_updates(db)
-    assert updates >= updates_before + 3 * len(items)
+        blocks_before, blocks = await _counted(db, runtime.inbox, items, "key_blocks")
     # An event's four statements read about 35 of the key's blocks; planned with the joins that
     # step over the dead entries, about 250.
     per_event = (blocks - blocks_before) / len(items)
