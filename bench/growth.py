@@ -239,14 +239,14 @@ def median_pair(pairs: Sequence[tuple[Row, Row]]) -> tuple[Row, Row, float]:
     each = [f"{full.rate:,.0f} vs {empty.rate:,.0f}/s" for empty, full in pairs]
     head = rounds_note(ratios, each, "the empty inbox then the full one in each") if len(pairs) > 1 else ""
 
-    def merged(rows: list[Row], head: str) -> Row:
+    def merged(rows: list[Row], first: str) -> Row:
         chosen = rows[middle]
         return dataclasses.replace(
             chosen,
             events=sum(r.events for r in rows),
             lost=sum(r.lost or 0 for r in rows),
             doubled=rows[-1].doubled,
-            note="; ".join(part for part in (head, chosen.note) if part),
+            note="; ".join(part for part in (first, chosen.note) if part),
         )
 
     beside = f"round {middle + 1} of {len(pairs)}, the median's (every round in the next row)" if head else ""

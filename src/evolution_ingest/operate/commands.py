@@ -278,7 +278,7 @@ def purge(
                     )
                 if report.rows and not await retention.autovacuum_on():
                     # Nothing else would remove the deleted rows' versions and index entries, and
-                    # until then Postgres spends more on every save (docs/performance.md).
+                    # without that their space is never reused (docs/operating.md).
                     with console.progress_bar("vacuuming (autovacuum is off)", None, enabled=not as_json):
                         await retention.vacuum()
         return report.as_dict()
