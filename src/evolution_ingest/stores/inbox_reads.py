@@ -27,6 +27,8 @@ FAILED: Final = "failed_at IS NOT NULL AND processed_at IS NULL"
 #: ``$1``: seconds after which a pending event is stuck.
 STUCK: Final = f"{PENDING} AND received_at < now() - make_interval(secs => $1)"
 #: Exact counts below this many rows; the planner's estimate above (a count would scan the table).
+#: The count runs only while the estimate is below it: on a grown inbox, every ``/metrics``
+#: scrape would otherwise read this many index entries to find out what it already knew.
 _EXACT_UPTO: Final = 100_000
 _HEX: Final = re.compile(r"[0-9a-f]{8,64}")
 
@@ -36,9 +38,11 @@ SELECT
   (SELECT count(*) FROM {TABLE} WHERE {STUCK}) AS stuck,
   (SELECT count(*) FROM {TABLE} WHERE {FAILED}) AS failed,
   (SELECT min(received_at) FROM {TABLE} WHERE {PENDING}) AS oldest_pending,
-  (SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($2)) AS rows_estimate,
-  (SELECT count(*) FROM (SELECT 1 FROM {TABLE} LIMIT {_EXACT_UPTO}) AS few) AS rows_upto,
+  GREATEST(size.reltuples, 0)::bigint AS rows_estimate,
+  CASE WHEN size.reltuples IS NULL OR size.reltuples < {_EXACT_UPTO}
+       THEN (SELECT count(*) FROM (SELECT 1 FROM {TABLE} LIMIT {_EXACT_UPTO}) AS few) END AS rows_upto,
   now() AS now
+FROM (SELECT (SELECT reltuples FROM pg_class WHERE oid = to_regclass($2)) AS reltuples) AS size
 """
 
 _SAVED_COLUMNS: Final = "id, dedup_key, payload, payload_text, attempts, received_at"
@@ -108,13 +112,13 @@ class InboxReads:
     async def stats(self, stuck_after: float) -> dict[str, Any]:
         row = await self._db.fetchrow(_STATS, stuck_after, self._table)
         assert row is not None
-        oldest = row["oldest_pending"]
+        oldest, exact = row["oldest_pending"], row["rows_upto"]
         return {
             "pending": row["pending"],
             "stuck": row["stuck"],
             "failed": row["failed"],
             "oldest_pending_age_seconds": round((row["now"] - oldest).total_seconds(), 1) if oldest else None,
-            "rows": row["rows_upto"] if row["rows_upto"] < _EXACT_UPTO else row["rows_estimate"],
+            "rows": exact if exact is not None and exact < _EXACT_UPTO else row["rows_estimate"],
         }
 
     async def stuck(self, older_than: float, after: tuple[datetime, int], limit: int) -> list[SavedEvent]:
