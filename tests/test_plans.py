@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import asyncpg
-import orjson
 
 from evolution_ingest.core.events import Channel
 from evolution_ingest.core.identity import parse_envelope
 from evolution_ingest.stores.inbox import Claim, PostgresInbox
 from evolution_ingest.stores.inbox_reads import _EXACT_UPTO, _STATS
 from tests.conftest import OpenRuntime
-from tests.support import variants
+from tests.support import plan_nodes, variants
 
 # Enough rows that an index beats a scan by far; few enough to insert in a moment.
 GROWN_TO = 20_000
@@ -119,12 +116,6 @@ async def test_marks_and_seen_updates_do_not_step_over_the_entries_of_rows_just_
     assert per_event < 60, per_event
 
 
-def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from _plan_nodes(child)
-
-
 async def test_the_inbox_is_counted_while_small_and_estimated_once_grown_without_reading_it(
     open_runtime: OpenRuntime, db: asyncpg.Connection
 ) -> None:
@@ -145,6 +136,6 @@ async def test_the_inbox_is_counted_while_small_and_estimated_once_grown_without
         explained = await db.fetchval(
             f"EXPLAIN (ANALYZE, FORMAT JSON) {_STATS}", 120.0, "evolution_ingest_inbox"
         )
-        limits = [n for n in _plan_nodes(orjson.loads(explained)[0]["Plan"]) if n["Node Type"] == "Limit"]
+        limits = [n for n in plan_nodes(explained) if n["Node Type"] == "Limit"]
     assert len(limits) == 1  # the count, under its limit
     assert limits[0]["Actual Loops"] == 0

@@ -27,7 +27,7 @@ from evolution_ingest.stores.inbox import BODIES, TABLE, VIEW
 from evolution_ingest.stores.inbox_sql import STRIP_MEDIA
 from evolution_ingest.stores.retention import DEFAULT_PARTITION, PARTITION_PREFIX, Partition, Retention
 from tests.conftest import DATABASE_URL, OpenRuntime, serving
-from tests.support import Recorder, fixture, fixtures, variants, wait_until
+from tests.support import Recorder, fixture, fixtures, plan_nodes, variants, wait_until
 from tests.test_admin import cli
 from tests.test_cli import env_for
 
@@ -196,17 +196,13 @@ async def test_media_leave_a_body_once_processed_when_asked(
 
 def scanned(plan: str) -> list[str]:
     """The partitions of bodies an ``EXPLAIN (FORMAT JSON)`` plan scans (with ANALYZE: that ran)."""
-    found: list[str] = []
-
-    def walk(node: dict[str, Any]) -> None:
-        name = node.get("Relation Name", "")
-        if "Scan" in node["Node Type"] and name.startswith(BODIES) and node.get("Actual Loops", 1) > 0:
-            found.append(name)
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk(orjson.loads(plan)[0]["Plan"])
-    return found
+    return [
+        node["Relation Name"]
+        for node in plan_nodes(plan)
+        if "Scan" in node["Node Type"]
+        and node.get("Relation Name", "").startswith(BODIES)
+        and node.get("Actual Loops", 1) > 0
+    ]
 
 
 async def test_a_read_and_the_stripping_visit_only_the_partition_that_holds_the_body(

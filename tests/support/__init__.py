@@ -9,7 +9,7 @@ import json
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
@@ -138,6 +138,15 @@ async def wait_until(
     """Poll ``condition`` until true; fail the test after ``within`` seconds."""
     if not await eventually(condition, within, interval):
         raise AssertionError(f"timed out after {within}s waiting for {message}")
+
+
+def plan_nodes(explained: str) -> Iterator[dict[str, Any]]:
+    """Every node of an ``EXPLAIN (FORMAT JSON)`` plan, the top one first."""
+    waiting = [json.loads(explained)[0]["Plan"]]
+    while waiting:
+        node = waiting.pop()
+        yield node
+        waiting.extend(reversed(node.get("Plans", [])))
 
 
 def free_socket() -> socket.socket:

@@ -39,7 +39,7 @@ SELECT
   (SELECT count(*) FROM {TABLE} WHERE {FAILED}) AS failed,
   (SELECT min(received_at) FROM {TABLE} WHERE {PENDING}) AS oldest_pending,
   GREATEST(size.reltuples, 0)::bigint AS rows_estimate,
-  CASE WHEN size.reltuples IS NULL OR size.reltuples < {_EXACT_UPTO}
+  CASE WHEN size.reltuples < {_EXACT_UPTO}  -- -1 until the first ANALYZE
        THEN (SELECT count(*) FROM (SELECT 1 FROM {TABLE} LIMIT {_EXACT_UPTO}) AS few) END AS rows_upto,
   now() AS now
 FROM (SELECT (SELECT reltuples FROM pg_class WHERE oid = to_regclass($2)) AS reltuples) AS size
