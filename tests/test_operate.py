@@ -26,7 +26,7 @@ from evolution_ingest.handlers import log_summary, log_with_text
 from evolution_ingest.operate.coverage import coverage, find_gaps
 from evolution_ingest.operate.gaps import GapWatcher
 from evolution_ingest.runtime import Runtime
-from evolution_ingest.stores.queues import Topology
+from evolution_ingest.stores.queues import QueueReads, Topology
 from tests.conftest import (
     DATABASE_URL,
     INTERNAL_SECRET,
@@ -208,6 +208,59 @@ async def test_readyz_turns_unready_when_a_store_goes_away_and_ready_when_it_ret
         assert report["checks"][store] != "ok"
         proxy.restore()
         await wait_until(lambda: _status_is(state, 200), within=15, message=f"ready again with {store}")
+
+
+async def test_readyz_and_metrics_share_one_rabbitmq_connection_and_replace_one_that_stops_answering(
+    open_runtime: OpenRuntime, http: aiohttp.ClientSession, proxy_factory: Any
+) -> None:
+    proxy = await proxy_factory("127.0.0.1", 5672)
+    async with (
+        open_runtime(rabbitmq_url=RABBITMQ_URL.replace(":5672/", f":{proxy.port}/")) as runtime,
+        serving(runtime) as url,
+    ):
+        base = url.removesuffix("/api/internal/webhook")
+
+        async def state() -> tuple[int, dict[str, Any]]:
+            async with http.get(base + "/readyz") as response:
+                return response.status, await response.json()
+
+        for _ in range(5):  # neither is cached in the tests' settings
+            assert (await state())[0] == 200
+            samples = await scrape(http, base)
+            assert value(samples, "evolution_ingest_store_up", store="rabbitmq") == 1
+        assert proxy.accepted == 1
+
+        proxy.hold()  # open, and silent: the check gives up on it
+        status, report = await state()
+        assert (status, report["failing"]) == (503, ["rabbitmq"])
+        assert report["checks"]["rabbitmq"] == "no answer within 2 s"
+        proxy.release()
+        await wait_until(lambda: _status_is(state, 200), within=15, message="ready on a new connection")
+        assert proxy.accepted == 2
+
+
+async def test_the_queue_read_gives_up_on_a_silent_broker_and_reads_again_once_it_answers(
+    settings: Settings, proxy_factory: Any
+) -> None:
+    proxy = await proxy_factory("127.0.0.1", 5672)
+    current = Settings.model_validate(
+        {**settings.model_dump(), "rabbitmq_url": RABBITMQ_URL.replace(":5672/", f":{proxy.port}/")}
+    )
+    reads = QueueReads(current, within=1.0)
+    try:
+        before = await reads.status()
+        assert before["ready"] == {"exists": False}  # nothing declared this test's queues
+        proxy.hold()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="RabbitMQ did not answer within 1 s"):
+            await reads.status()
+        assert time.monotonic() - started < 3
+        proxy.release()
+        assert await reads.status() == before
+        await reads.ping()
+        assert proxy.accepted == 2
+    finally:
+        await reads.close()
 
 
 async def _status_is(state: Any, expected: int) -> bool:

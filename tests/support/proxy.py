@@ -7,15 +7,20 @@ import contextlib
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target. While cut, connections are dropped at once."""
+    """Forwards 127.0.0.1:<port> to a target. While cut, connections are dropped at once; while
+    held, they stay open and carry nothing (a server that stopped answering)."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self._target = (target_host, target_port)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self.is_cut = False
         self.port = 0
+        #: Connections forwarded to the target so far.
+        self.accepted = 0
 
     async def start(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -32,6 +37,13 @@ class TcpProxy:
 
     def restore(self) -> None:
         self.is_cut = False
+
+    def hold(self) -> None:
+        """Keep every connection open but carry no byte either way until :meth:`release`."""
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
 
     async def close(self) -> None:
         self.cut()
@@ -53,6 +65,7 @@ class TcpProxy:
         except OSError:
             writer.transport.abort()
             return
+        self.accepted += 1
         self._writers.update((writer, up_writer))
         pumps = [
             asyncio.create_task(self._pump(reader, up_writer)),
@@ -72,5 +85,6 @@ class TcpProxy:
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError, RuntimeError):
             while chunk := await reader.read(65536):
+                await self._flowing.wait()
                 writer.write(chunk)
                 await writer.drain()

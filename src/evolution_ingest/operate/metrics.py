@@ -218,7 +218,7 @@ class Metrics:
         self._stores = Cached(
             lambda: asyncio.gather(
                 inbox_section(stores, settings),
-                rabbitmq_section(settings),
+                rabbitmq_section(stores),
                 instances_section(stores, settings),
             ),
             settings.metrics_cache_seconds,

@@ -10,7 +10,6 @@ from evolution_ingest.config import Settings
 from evolution_ingest.operate.cached import Cached
 from evolution_ingest.operate.errors import STORE_ERRORS
 from evolution_ingest.stores import Stores, migrations
-from evolution_ingest.stores.queues import broker
 
 
 class Readiness:
@@ -19,6 +18,7 @@ class Readiness:
     def __init__(self, stores: Stores, settings: Settings) -> None:
         self._db = stores.db
         self._redis = stores.redis
+        self._queues = stores.queues
         self._settings = settings
         self._cached = Cached(self._check, settings.ready_cache_seconds)
 
@@ -59,5 +59,5 @@ class Readiness:
         return "ok"
 
     async def _rabbitmq(self) -> str:
-        async with broker(self._settings):
-            return "ok"
+        await self._queues.ping()
+        return "ok"

@@ -15,7 +15,7 @@ from evolution_ingest.core.redaction import REDACTED
 from evolution_ingest.logic.routes_file import RoutesFile
 from evolution_ingest.operate.errors import STORE_ERRORS, failed
 from evolution_ingest.operate.instances import raised_alerts
-from evolution_ingest.stores import Stores, queues
+from evolution_ingest.stores import Stores
 from evolution_ingest.stores.counters import Counters
 from evolution_ingest.stores.refusals import RefusalLog
 
@@ -64,9 +64,9 @@ async def counter_section(counters: Counters) -> dict[str, Any]:
     return {"ok": True, **channels}
 
 
-async def rabbitmq_section(settings: Settings) -> dict[str, Any]:
+async def rabbitmq_section(stores: Stores) -> dict[str, Any]:
     try:
-        return {"ok": True, **await queues.status(settings)}
+        return {"ok": True, **await stores.queues.status()}
     except STORE_ERRORS as exc:
         return failed(exc)
 
@@ -151,7 +151,7 @@ async def status(stores: Stores, settings: Settings, routes: RoutesFile | None) 
     return {
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "inbox": await inbox_section(stores, settings),
-        "rabbitmq": await rabbitmq_section(settings),
+        "rabbitmq": await rabbitmq_section(stores),
         "counters": counted,
         "routes": await routes_section(stores, counted, routes, settings),
         "refusals": await refusal_section(stores.refusals, recent=5),

@@ -24,6 +24,7 @@ from evolution_ingest.stores.inbox import PostgresInbox
 from evolution_ingest.stores.inbox_reads import InboxReads
 from evolution_ingest.stores.locks import RedisLocks
 from evolution_ingest.stores.postgres import Leadership, Postgres, create_pool
+from evolution_ingest.stores.queues import QueueReads
 from evolution_ingest.stores.refusals import RefusalLog
 from evolution_ingest.stores.retention import Retention, prepare_partitions
 
@@ -52,7 +53,8 @@ def leadership(settings: Settings, job: str = "reconciler", role: str = "reconci
 
 @dataclass(slots=True)
 class Stores:
-    """Every store of one process, sharing one Postgres pool and one Redis client."""
+    """Every store of one process, sharing one Postgres pool and one Redis client (and, for
+    what the operator reads of RabbitMQ, one connection, opened on the first read)."""
 
     db: Postgres
     redis: Redis
@@ -65,6 +67,7 @@ class Stores:
     connections: ConnectionLog
     backfills: BackfillRuns
     retention: Retention
+    queues: QueueReads
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -107,6 +110,7 @@ class Stores:
             connections=ConnectionLog(db),
             backfills=BackfillRuns(db),
             retention=Retention(db),
+            queues=QueueReads(settings),
         )
         flusher = asyncio.create_task(counters.run(), name="counters-flush")
         try:
@@ -116,6 +120,7 @@ class Stores:
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
             await counters.close()
+            await stores.queues.close()
             await redis.aclose()
             await db.close(_CLOSE_TIMEOUT)
 

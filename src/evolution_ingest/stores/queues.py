@@ -28,6 +28,7 @@ failing on the old one's arguments, and the old one drains by itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -60,6 +61,9 @@ HEADER_ROUTING_KEY: Final = "x-evolution-ingest-routing-key"
 HEADER_PARKED_REASON: Final = "x-evolution-ingest-parked-reason"
 HEADER_PARKED_AT: Final = "x-evolution-ingest-parked-at"
 HEADER_REPLAYED_AT: Final = "x-evolution-ingest-replayed-at"
+
+#: How long closing a connection may take before it is left to the operating system.
+_CLOSE_SECONDS: Final = 5.0
 
 #: The only argument Evolution gives its queues.
 EVOLUTION_QUEUE_ARGUMENTS: Final[dict[str, Any]] = {"x-queue-type": "quorum"}
@@ -147,25 +151,24 @@ class Topology:
 
 @asynccontextmanager
 async def broker(settings: Settings) -> AsyncIterator[AbstractConnection]:
-    """A connection of its own (operator commands, readiness), closed on exit."""
+    """A connection of its own (an operator command's), closed on exit."""
     connection = await aio_pika.connect(settings.rabbitmq_url, timeout=10)
     try:
         yield connection
     finally:
-        with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
-            await connection.close()
+        await _close(connection)
 
 
 async def queue_states(connection: AbstractConnection, names: list[str]) -> dict[str, dict[str, Any]]:
     """Depth and consumers of each queue (``exists: False`` when it is not declared)."""
     states: dict[str, dict[str, Any]] = {}
-    channel = await connection.channel()
+    channel = await connection.channel(publisher_confirms=False)
     for name in names:
         try:
             declared = await channel.declare_queue(name, passive=True)
         except aio_pika.exceptions.ChannelClosed:  # NOT_FOUND closes the channel
             states[name] = {"exists": False}
-            channel = await connection.channel()
+            channel = await connection.channel(publisher_confirms=False)
             continue
         result = declared.declaration_result
         states[name] = {"exists": True, "messages": result.message_count, "consumers": result.consumer_count}
@@ -174,17 +177,74 @@ async def queue_states(connection: AbstractConnection, names: list[str]) -> dict
     return states
 
 
-async def status(settings: Settings) -> dict[str, Any]:
-    """Every queue of the topology with its depth and consumers; raises a broker error when unreachable."""
-    topology = Topology(settings)
-    async with broker(settings) as connection:
-        sources = await queue_states(connection, topology.source_queues)
-        service = await queue_states(connection, topology.service_queues)
-    return {
-        "mode": topology.mode.value,
-        "retry_tiers": {tier.queue: service[tier.queue] for tier in topology.tiers},
-        "lock_busy": service[topology.busy.queue],
-        "ready": service[topology.ready],
-        "parking": service[topology.parking],
-        "evolution_queues": sources,
-    }
+class QueueReads:
+    """What a process reads of RabbitMQ for its operator (is it there, how deep is each queue),
+    over one connection of its own: opened on the first read, opened again after it broke or did
+    not answer in time, closed with the stores. A readiness probe then costs RabbitMQ a channel,
+    not a connection (which it logs three lines for). A read that takes longer than ``within``
+    seconds raises ``TimeoutError``."""
+
+    def __init__(self, settings: Settings, within: float = 10.0) -> None:
+        self._settings = settings
+        self._within = within
+        self._connection: AbstractConnection | None = None
+        self._opening = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def ping(self) -> None:
+        """Return once RabbitMQ has opened (and closed) a channel; raise a broker error otherwise."""
+        async with self._connected() as connection:
+            channel = await connection.channel(publisher_confirms=False)
+            await channel.close()
+
+    async def status(self) -> dict[str, Any]:
+        """Every queue of the topology with its depth and consumers; raises a broker error when unreachable."""
+        topology = Topology(self._settings)
+        async with self._connected() as connection:
+            sources = await queue_states(connection, topology.source_queues)
+            service = await queue_states(connection, topology.service_queues)
+        return {
+            "mode": topology.mode.value,
+            "retry_tiers": {tier.queue: service[tier.queue] for tier in topology.tiers},
+            "lock_busy": service[topology.busy.queue],
+            "ready": service[topology.ready],
+            "parking": service[topology.parking],
+            "evolution_queues": sources,
+        }
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            self._drop(self._connection)
+        await asyncio.gather(*self._closing)
+
+    @asynccontextmanager
+    async def _connected(self) -> AsyncIterator[AbstractConnection]:
+        """The connection, for one read that connecting included takes at most ``within`` seconds."""
+        connection: AbstractConnection | None = None
+        try:
+            async with asyncio.timeout(self._within):
+                async with self._opening:
+                    if self._connection is None or self._connection.is_closed:
+                        self._connection = await aio_pika.connect(self._settings.rabbitmq_url)
+                    connection = self._connection
+                yield connection
+        except BaseException as exc:  # an error or a read given up on: the next read starts afresh
+            if connection is not None:
+                self._drop(connection)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"RabbitMQ did not answer within {self._within:g} s") from None
+            raise
+
+    def _drop(self, connection: AbstractConnection) -> None:
+        """Forget ``connection`` and close it in the background: a broker that stopped answering
+        must not hold up the read that gave up on it."""
+        if self._connection is connection:
+            self._connection = None
+        task = asyncio.create_task(_close(connection))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+
+async def _close(connection: AbstractConnection) -> None:
+    with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
+        await asyncio.wait_for(connection.close(), _CLOSE_SECONDS)
