@@ -30,7 +30,7 @@ from bench.harness import (
 from bench.measure import Traced, percentile, status_mb
 from evolution_ingest.config import Settings
 from evolution_ingest.core.identity import EVENT_NAMES, parse_envelope
-from evolution_ingest.stores.queues import status as queue_status
+from evolution_ingest.stores.queues import QueueReads
 
 EVENTS = sorted(
     {
@@ -236,7 +236,11 @@ async def where_lost(iso: Isolation, keys: Sequence[str], bodies: Sequence[bytes
         name.removeprefix("EVOLUTION_INGEST_").lower(): value for name, value in env.items()
         if name.startswith("EVOLUTION_INGEST_") and name != "EVOLUTION_INGEST_HANDLERS"
     })  # fmt: skip
-    queues = await queue_status(settings)
+    reads = QueueReads(settings)
+    try:
+        queues = await reads.status()
+    finally:
+        await reads.close()
     busy = {name: state for name, state in _flat_queues(queues).items() if state.get("messages")}
     found = "; ".join(
         f"{orjson.loads(body)['event']} {key[:12]}: "
