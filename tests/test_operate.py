@@ -237,6 +237,7 @@ async def test_readyz_and_metrics_share_one_rabbitmq_connection_and_replace_one_
         proxy.release()
         await wait_until(lambda: _status_is(state, 200), within=15, message="ready on a new connection")
         assert proxy.accepted == 2
+    await wait_until(lambda: proxy.live == 0, within=10, message="the connection closed with the stores")
 
 
 async def test_the_queue_read_gives_up_on_a_silent_broker_and_reads_again_once_it_answers(

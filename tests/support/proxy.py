@@ -27,6 +27,11 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
+    @property
+    def live(self) -> int:
+        """Connections open through the proxy now."""
+        return len(self._writers) // 2
+
     def cut(self) -> None:
         """Drop every open connection and refuse new ones until :meth:`restore`."""
         self.is_cut = True
