@@ -52,7 +52,7 @@ def render(report: Report, args: argparse.Namespace) -> str:
     lines = [
         f"# evolution-ingest benchmark — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
-        f"Machine: {_machine()}",
+        f"Machine: {machine()}",
         f"Command: `.venv/bin/python -m bench {' '.join(sys.argv[1:])}`".rstrip(),
         "",
         "## Ceilings on this machine, measured in the same run",
@@ -122,7 +122,7 @@ def render(report: Report, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> str:
+def machine() -> str:
     model = "?"
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
         for line in cpuinfo:
