@@ -43,7 +43,7 @@ class Report:
 # --- the report ----------------------------------------------------------------------------
 
 
-def _ms(value: float | None) -> str:
+def ms(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:,.1f}"
 
 
@@ -68,10 +68,10 @@ def render(report: Report, args: argparse.Namespace) -> str:
                     r.events,
                     r.rate,
                     f"{r.rate / pg:.2f}×",
-                    _ms(r.webhook_p50),
-                    _ms(r.webhook_p99),
-                    _ms(r.e2e_p50),
-                    _ms(r.e2e_p99),
+                    ms(r.webhook_p50),
+                    ms(r.webhook_p99),
+                    ms(r.e2e_p50),
+                    ms(r.e2e_p99),
                     r.rss,
                     "-" if r.lost is None else r.lost,
                     "-" if r.doubled is None else r.doubled,

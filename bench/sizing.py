@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.harness import Isolation, post_all, table
 from bench.measure import Traced, machine_meter
-from bench.report import machine
+from bench.report import machine, ms
 from bench.scenarios import measure_channels
 from bench.service import running, wait_traced, workload
 
@@ -62,9 +62,6 @@ class Step:
         return self.deployed_ms * self.carried / 1000
 
     def cells(self) -> list[object]:
-        def ms(value: float | None) -> str:
-            return "-" if value is None else f"{value:.1f}"
-
         return [
             self.mode,
             "as fast as it goes" if not self.asked else f"{self.asked:,.0f}",
@@ -100,7 +97,7 @@ async def webhook_steps(
     iso = Isolation()
     try:
         async with running(iso, "up") as service:
-            meter = machine_meter(lambda: service.pids)
+            meter = machine_meter(lambda: service.pids)  # started again for each step
             meter.start()
             await asyncio.sleep(idle_seconds)
             idle = {
@@ -109,7 +106,6 @@ async def webhook_steps(
             done = 0
             for rate, n in zip(rates, sizes, strict=True):
                 bodies, keys = workload(next(offsets), n)
-                meter = machine_meter(lambda: service.pids)
                 meter.start()
                 result = await post_all(service.urls, bodies, 64, _STEP_SECONDS, rate=rate)
                 done += n
