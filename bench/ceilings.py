@@ -150,7 +150,7 @@ async def _copies_received(base: str, n: int) -> int:
     async with aiohttp.ClientSession() as http:
         while True:
             async with http.get(f"{base}/consumed") as resp:
-                consumed = (await resp.json())["consumed"]
+                consumed = int((await resp.json())["consumed"])
             now = time.monotonic()
             if consumed >= n or now > deadline:
                 return consumed

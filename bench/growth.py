@@ -284,9 +284,9 @@ async def growth(
         # Before the service starts: the oldest rows get the lowest ids, as in a real inbox
         # (purge and retention walk in id order).
         took = await fill(iso, prefill, purged)
-        async with running(iso, "up", RETENTION_ENABLED="false") as service:
+        async with running(iso, "up", settings={"RETENTION_ENABLED": "false"}) as service:
             pairs = []
-            async with running(empty_iso, "up", RETENTION_ENABLED="false") as beside:
+            async with running(empty_iso, "up", settings={"RETENTION_ENABLED": "false"}) as beside:
                 for index in range(rounds):
                     empty = await _unique(
                         empty_iso, beside, offset, n, "growth: unique webhook events, empty inbox"

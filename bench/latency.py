@@ -36,7 +36,8 @@ async def half_load(report: Report, n: int, offset: int, full_rate: float, runs:
     and what the machine went through during each (CPU and I/O stalls, Postgres checkpoints)."""
     iso = Isolation()
     each = max(1, n // 2)
-    results, sent, pressures = [], {}, []
+    results, pressures = [], []
+    sent: dict[str, float] = {}
     conn = await asyncpg.connect(DATABASE_URL)
     try:
         async with running(iso, "up") as service:

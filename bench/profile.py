@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from redis.asyncio import Redis
@@ -103,9 +104,7 @@ async def main(args: argparse.Namespace) -> None:
                     await _perf(pid, out / f"perf-{name}.data")
                     for name, pid in zip(names, service.pids, strict=True)
                 ]
-            meter = CpuMeter(
-                {name: (lambda pid=pid: [pid]) for name, pid in zip(names, service.pids, strict=True)}
-            )
+            meter = CpuMeter({name: _only(pid) for name, pid in zip(names, service.pids, strict=True)})
             started = time.perf_counter()
             meter.start()
             await asyncio.gather(post_all(service.urls, bodies, 64, 300, rate=args.rate), go())
@@ -138,6 +137,10 @@ async def main(args: argparse.Namespace) -> None:
     print("the service's counters (each copy's path):")
     for name, count in steps:
         print(f"  {count:9,}  {name}")
+
+
+def _only(pid: int) -> Callable[[], list[int]]:
+    return lambda: [pid]
 
 
 async def _perf(pid: int, output: Path) -> asyncio.subprocess.Process:

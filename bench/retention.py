@@ -166,7 +166,7 @@ async def removal_under_load(rate: float, backlog: int) -> dict[str, Any]:
     iso, port = Isolation(), free_port()
     env = service_env(iso, PORT=str(port), RETENTION_ENABLED="false")
     settings = Settings(
-        _env_file=None,  # type: ignore[call-arg]  # a pydantic-settings argument, not a field
+        _env_file=None,
         database_url=DATABASE_URL, database_schema=iso.schema, redis_key_prefix=iso.prefix,
         metrics_prefix=iso.prefix + "metrics:", retention_batch_size=5000, retention_batch_pause_seconds=0.05,
         retention_bodies_seconds=DAY, retention_rows_seconds=DAY,

@@ -149,7 +149,7 @@ async def measure_channels(
     iso = Isolation()
     try:
         async with (
-            running(iso, layout, replicas, **(settings or {})) as service,
+            running(iso, layout, replicas, settings=settings) as service,
             publisher(iso, offset, n, rate) as go,
         ):
             webhook: LoadResult | None = None

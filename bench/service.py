@@ -6,7 +6,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +81,16 @@ def service_env(iso: Isolation, **extra: str) -> dict[str, str]:
 
 @asynccontextmanager
 async def running(
-    iso: Isolation, layout: str, replicas: int = 1, *, warm: bool = True, **settings: str
+    iso: Isolation,
+    layout: str,
+    replicas: int = 1,
+    *,
+    warm: bool = True,
+    settings: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Running]:
     """``up`` (one process) or ``split`` (serve, worker and reconcile apart), ``replicas`` of each;
-    ``settings``: more service settings (``RETENTION_ENABLED="false"``)."""
+    ``settings``: more service settings (``{"RETENTION_ENABLED": "false"}``)."""
+    settings = settings or {}
     ports = [free_port() for _ in range(replicas)]
     async with AsyncExitStack() as stack:
         procs = []
