@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,7 @@ async def measure_channels(
     replicas: int = 1,
     cpu: bool = False,
     rate: float = 0.0,
-    settings: dict[str, str] | None = None,
+    settings: Mapping[str, str] | None = None,
 ) -> Measured:
     """Events through RabbitMQ only, or on both channels at once (as Evolution sends them);
     ``settings``: more service settings, as for :func:`bench.service.running`."""
