@@ -53,7 +53,7 @@ def render(report: Report, args: argparse.Namespace) -> str:
         f"# evolution-ingest benchmark — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
         "",
         f"Machine: {machine()}",
-        f"Command: `.venv/bin/python -m bench {' '.join(sys.argv[1:])}`".rstrip(),
+        f"Command: `{invocation('bench')}`",
         "",
         "## Ceilings on this machine, measured in the same run",
         "",
@@ -120,6 +120,11 @@ def render(report: Report, args: argparse.Namespace) -> str:
     if report.notes:
         lines += ["", *report.notes]
     return "\n".join(lines) + "\n"
+
+
+def invocation(module: str) -> str:
+    """The command line that ran ``module`` with this process's arguments, as one would type it."""
+    return " ".join([".venv/bin/python -m", module, *sys.argv[1:]])
 
 
 def machine() -> str:

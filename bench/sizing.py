@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import Isolation, post_all, table
 from bench.measure import Traced, machine_meter
-from bench.report import machine, ms
+from bench.report import invocation, machine, ms
 from bench.scenarios import measure_channels
 from bench.service import running, wait_traced, workload
 
@@ -197,9 +196,7 @@ def main() -> None:
         return idle, steps + await dual_steps(rates, sizes, offsets)
 
     idle, steps = asyncio.run(both())
-    text = render(
-        idle, args.idle_seconds, steps, f".venv/bin/python -m bench.sizing {' '.join(sys.argv[1:])}".rstrip()
-    )
+    text = render(idle, args.idle_seconds, steps, invocation("bench.sizing"))
     print(text)
     if args.write:
         args.write.write_text(text, encoding="utf-8")
