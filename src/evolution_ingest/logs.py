@@ -3,14 +3,20 @@
 Our own log calls go through structlog directly (cheap when filtered out);
 libraries that use the standard ``logging`` module (uvicorn, aio-pika, asyncpg)
 are rendered the same way. Values under secret-looking keys are redacted.
+
+Lines logged while an event loop runs are written together at the start of its next turn
+(:class:`Lines`): one system call for all the outcome lines of a batch, not one each.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import sys
+import threading
 from collections.abc import MutableMapping
-from typing import Any, Final
+from typing import Any, BinaryIO, Final, cast
 
 import structlog
 from structlog.typing import Processor
@@ -34,17 +40,104 @@ def _json(value: Any, **_: Any) -> str:
     return codec.dumps(value, default=repr).decode()
 
 
+def _json_bytes(value: Any, **_: Any) -> bytes:
+    return codec.dumps(value, default=repr)
+
+
+def _encode(_logger: Any, _name: str, line: Any) -> bytes:
+    """The text renderer's line as bytes, for :class:`Lines`."""
+    return str(line).encode("utf-8", "backslashreplace")
+
+
+class Lines:
+    """Where log lines go: a binary file (stderr) that gets each event loop turn's lines at once.
+
+    A line logged on a thread that runs an event loop is kept until that loop starts its next
+    turn, then written with every other line of the turn in one write; a line logged anywhere
+    else (start-up, a one-shot command, another thread) is written at once. More than ``most``
+    lines waiting are written at once too, and what is left at exit is written then. It is the
+    file of structlog's ``BytesLogger``, whose ``flush`` after each line decides which.
+    """
+
+    def __init__(self, out: BinaryIO, *, most: int = 512) -> None:
+        self._out = out
+        self._most = most
+        self._lines: list[bytes] = []
+        #: The loop a write is scheduled on, None when none is.
+        self._scheduled: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def write(self, line: bytes) -> int:
+        with self._lock:
+            self._lines.append(line)
+        return len(line)
+
+    def flush(self) -> None:
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or len(self._lines) >= self._most:
+            self.write_out()
+        elif self._scheduled is not loop:
+            self._scheduled = loop
+            loop.call_soon(self.write_out)
+
+    def write_out(self) -> None:
+        """Write every line waiting, now."""
+        with self._lock:
+            lines, self._lines, self._scheduled = self._lines, [], None
+        if not lines:
+            return
+        try:
+            self._out.write(b"".join(lines))
+            self._out.flush()
+        except (OSError, ValueError):  # stderr closed or gone: nowhere left to say so
+            pass
+
+
+class _Handler(logging.Handler):
+    """The standard library's records, formatted, into the same :class:`Lines`."""
+
+    def __init__(self, lines: Lines) -> None:
+        super().__init__()
+        self._lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.write(self.format(record).encode("utf-8", "backslashreplace") + b"\n")
+            self._lines.flush()
+        except Exception:  # as logging.StreamHandler: a record that cannot be formatted is reported
+            self.handleError(record)
+
+
+#: The lines of the last :func:`configure` (written out at exit, and when it is configured again).
+_configured: list[Lines] = []
+
+
+@atexit.register
+def _write_out() -> None:
+    for lines in _configured:
+        lines.write_out()
+
+
 def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bool = True) -> None:
     """Set up structlog and the stdlib root logger once, at start-up.
 
     ``cache=False`` keeps loggers reconfigurable (``structlog.testing.capture_logs``).
     """
     text = fmt is LogFormat.TEXT or (fmt is LogFormat.AUTO and sys.stderr.isatty())
-    renderer: Processor = (
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        if text
-        else structlog.processors.JSONRenderer(serializer=_json)
-    )
+    renderer: Processor
+    to_bytes: list[Processor]
+    if text:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        to_bytes = [renderer, _encode]
+    else:
+        renderer = structlog.processors.JSONRenderer(serializer=_json)
+        to_bytes = [structlog.processors.JSONRenderer(serializer=_json_bytes)]
+    _write_out()
+    lines = Lines(sys.stderr.buffer)
+    _configured[:] = [lines]
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -53,12 +146,12 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bo
     ]
     numeric_level = logging.getLevelName(level)
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        processors=[*shared, structlog.processors.format_exc_info, *to_bytes],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.BytesLoggerFactory(file=cast("BinaryIO", lines)),  # it writes and flushes
         cache_logger_on_first_use=cache,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(lines)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
