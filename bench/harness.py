@@ -87,14 +87,11 @@ class Isolation:
             EVOLUTION_INGEST_METRICS_PREFIX=self.prefix + "metrics:",
             EVOLUTION_INGEST_INTERNAL_SECRET="bench-secret-" + self.run_id,
             EVOLUTION_INGEST_HANDLERS="evolution_ingest.handlers:noop",
-            EVOLUTION_INGEST_LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
+            EVOLUTION_INGEST_LOG_LEVEL=service_log_level(),
             EVOLUTION_INGEST_LOG_FORMAT="json",
         )
         env.update({f"EVOLUTION_INGEST_{k}": v for k, v in extra.items()})
-        # BENCH_SETTINGS="DATABASE_BATCH_CONCURRENCY=1,..." tries settings without editing code.
-        for pair in filter(None, os.environ.get("BENCH_SETTINGS", "").split(",")):
-            name, _, value = pair.partition("=")
-            env[f"EVOLUTION_INGEST_{name.strip()}"] = value.strip()
+        env.update({f"EVOLUTION_INGEST_{k}": v for k, v in bench_settings().items()})
         return env
 
     async def cleanup(self) -> None:
@@ -131,6 +128,27 @@ class Isolation:
             for exchange in names["exchanges"]:
                 channel = await connection.channel()
                 await channel.exchange_delete(exchange)
+
+
+def bench_settings() -> dict[str, str]:
+    """``BENCH_SETTINGS="DATABASE_BATCH_CONCURRENCY=1,..."``: settings of every service process
+    (names without ``EVOLUTION_INGEST_``), to try them without editing code."""
+    pairs = (pair.partition("=") for pair in os.environ.get("BENCH_SETTINGS", "").split(",") if pair)
+    return {name.strip(): value.strip() for name, _, value in pairs}
+
+
+def service_log_level() -> str:
+    """The log level of the service's processes: ``BENCH_LOG_LEVEL``, WARNING unless it is set."""
+    return bench_settings().get("LOG_LEVEL", os.environ.get("BENCH_LOG_LEVEL", "WARNING")).upper()
+
+
+def outcome_lines() -> bool:
+    """Whether the service writes an ``outcome`` line per webhook call and per delivery, as it
+    does by default (INFO): the benchmark reads them, as a log collector would, and they cost
+    CPU of their own (docs/performance.md). At WARNING, the benchmark's default, it writes none."""
+    level = service_log_level()
+    outcomes = bench_settings().get("LOG_OUTCOMES", "true").lower() not in ("false", "0", "no", "off")
+    return level == "DEBUG" or (level == "INFO" and outcomes)
 
 
 #: ``event loop stalled`` log lines of each service process, by pid (see ``process``).

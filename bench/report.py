@@ -10,9 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from bench.harness import (
-    table,
-)
+from bench.harness import outcome_lines, service_log_level, table
 
 
 @dataclass
@@ -54,6 +52,7 @@ def render(report: Report, args: argparse.Namespace) -> str:
         "",
         f"Machine: {machine()}",
         f"Command: `{invocation('bench')}`",
+        logs_line(),
         "",
         "## Ceilings on this machine, measured in the same run",
         "",
@@ -125,6 +124,16 @@ def render(report: Report, args: argparse.Namespace) -> str:
 def invocation(module: str) -> str:
     """The command line that ran ``module`` with this process's arguments, as one would type it."""
     return " ".join([".venv/bin/python -m", module, *sys.argv[1:]])
+
+
+def logs_line() -> str:
+    """The service's log level, as a report's header gives it."""
+    said = (
+        "one `outcome` line per webhook call and per delivery, as by default"
+        if outcome_lines()
+        else "no `outcome` lines; by default, at INFO, one per webhook call and per delivery"
+    )
+    return f"Service log level: {service_log_level()} ({said})"
 
 
 def machine() -> str:

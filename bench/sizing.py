@@ -1,7 +1,8 @@
 """What a deployment needs: the CPU one event costs at the rate it comes, and the cores a rate takes.
 
     .venv/bin/python -m bench.sizing [--rates 100,300,1000,0] [--seconds 20] [--min-events 2000]
-                                     [--full-events 20000] [--idle-seconds 10] [--write FILE]
+                                     [--full-events 20000] [--idle-seconds 10] [--log-level INFO]
+                                     [--write FILE]
 
 The service batches whatever arrives while a statement is out, so an event costs least when the
 service is busiest: at a few hundred events/s most batches hold one event, and every event pays a
@@ -13,7 +14,9 @@ them), and prints, per event, the CPU of the service and of each store, the webh
 the cores the service and its stores take at the rate carried. The load generator and the
 publisher are left out of the cores: in a deployment they are Evolution. Every step is bounded in
 count (``--seconds`` of load at its rate, at least ``--min-events``; ``--full-events`` at full
-speed) and in time.
+speed) and in time. The service runs at its default log level, INFO, and writes an ``outcome``
+line per webhook call and per delivery, which this reads as a log collector would
+(``--log-level WARNING``: none, as in the benchmark's scenarios).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness import Isolation, post_all, table
 from bench.measure import Traced, machine_meter
-from bench.report import invocation, machine, ms
+from bench.report import invocation, logs_line, machine, ms
 from bench.scenarios import measure_channels
 from bench.service import running, wait_traced, workload
 
@@ -150,6 +154,7 @@ def render(idle: Mapping[str, float], idle_seconds: float, steps: Sequence[Step]
         [
             f"Machine: {machine()}",
             f"Command: `{command}`",
+            logs_line(),
             "",
             table([step.cells() for step in steps], HEADERS),
             "",
@@ -174,8 +179,17 @@ def main() -> None:
         "--full-events", type=int, default=20_000, help="events of the step as fast as it goes"
     )
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="seconds with nothing sent, first")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default="INFO",
+        help="the service's log level: INFO, its default, writes one outcome line per webhook call "
+        "and per delivery (the benchmark's scenarios run at WARNING)",
+    )
     parser.add_argument("--write", type=Path, help="also write the table to this Markdown file")
     args = parser.parse_args()
+    os.environ["BENCH_LOG_LEVEL"] = args.log_level
     try:
         rates = [float(rate) for rate in args.rates.split(",")]
     except ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from bench.report import logs_line
 from bench.sizing import Step, events_for, render
 
 #: ms of CPU per event; the load generator and the publisher stand for Evolution.
@@ -55,3 +56,18 @@ def test_the_table_has_a_line_per_step_and_the_idle_shares_below_it() -> None:
         in lines
     )
     assert "Command: `cmd`" in lines
+
+
+def test_the_header_says_whether_the_service_wrote_its_outcome_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BENCH_SETTINGS", raising=False)
+    monkeypatch.setenv("BENCH_LOG_LEVEL", "info")
+    assert logs_line() == (
+        "Service log level: INFO (one `outcome` line per webhook call and per delivery, as by default)"
+    )
+    monkeypatch.setenv("BENCH_SETTINGS", "LOG_OUTCOMES=false")
+    assert logs_line().startswith("Service log level: INFO (no `outcome` lines;")
+    monkeypatch.setenv("BENCH_SETTINGS", "DATABASE_BATCH_CONCURRENCY=2, LOG_LEVEL=warning")
+    assert logs_line().startswith("Service log level: WARNING (no `outcome` lines;")
+    monkeypatch.delenv("BENCH_SETTINGS")
+    monkeypatch.delenv("BENCH_LOG_LEVEL")
+    assert logs_line().startswith("Service log level: WARNING (no `outcome` lines;")  # the benchmark's
