@@ -24,6 +24,7 @@ from typing import Any
 import aio_pika
 import aiohttp
 import asyncpg
+from pydantic import TypeAdapter
 from redis.asyncio import Redis
 
 DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -147,7 +148,9 @@ def outcome_lines() -> bool:
     does by default (INFO): the benchmark reads them, as a log collector would, and they cost
     CPU of their own (docs/performance.md). At WARNING, the benchmark's default, it writes none."""
     level = service_log_level()
-    outcomes = bench_settings().get("LOG_OUTCOMES", "true").lower() not in ("false", "0", "no", "off")
+    outcomes = TypeAdapter(bool).validate_python(
+        bench_settings().get("LOG_OUTCOMES", "true")
+    )  # as Settings reads it
     return level == "DEBUG" or (level == "INFO" and outcomes)
 
 

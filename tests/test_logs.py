@@ -26,6 +26,14 @@ class Out(io.BytesIO):
         return super().write(data)
 
 
+async def next_turn() -> None:
+    """Until the loop has run what was scheduled so far: the write of this turn's lines among it."""
+    loop = asyncio.get_running_loop()
+    turned = loop.create_future()
+    loop.call_soon(turned.set_result, None)
+    await turned
+
+
 def log(lines: Lines, line: bytes) -> None:
     """What structlog's BytesLogger does with a line."""
     lines.write(line + b"\n")
@@ -38,12 +46,12 @@ async def test_the_lines_of_a_loop_turn_go_out_together_at_the_next_turn() -> No
     for i in range(5):
         log(lines, b"line %d" % i)
     assert out.getvalue() == b""
-    await asyncio.sleep(0)
+    await next_turn()
     assert out.getvalue() == b"line 0\nline 1\nline 2\nline 3\nline 4\n"
     assert out.writes == 1
 
     log(lines, b"the next turn")
-    await asyncio.sleep(0)
+    await next_turn()
     assert out.getvalue().endswith(b"line 4\nthe next turn\n")
     assert out.writes == 2
 
@@ -63,7 +71,7 @@ async def test_lines_beyond_the_most_that_wait_go_out_at_once() -> None:
     assert out.getvalue() == b""
     log(lines, b"3")
     assert out.getvalue() == b"1\n2\n3\n"
-    await asyncio.sleep(0)  # the write scheduled for the turn finds nothing left
+    await next_turn()  # the write scheduled for the turn finds nothing left
     assert out.writes == 1
 
 
@@ -77,7 +85,7 @@ async def test_a_line_from_another_thread_goes_out_at_once_and_in_one_piece() ->
     # The thread wrote what was waiting too, in order: a line is never held behind a turn
     # that another thread's write has already emptied.
     assert out.getvalue() == b"on the loop\nfrom a thread\n"
-    await asyncio.sleep(0)
+    await next_turn()
     assert out.writes == 1
 
 
@@ -90,7 +98,7 @@ async def test_standard_library_records_join_the_same_lines_in_order() -> None:
     log(lines, b"ours")
     handler.emit(record)
     log(lines, b"ours again")
-    await asyncio.sleep(0)
+    await next_turn()
     assert out.getvalue() == b"ours\naiormq: connection lost\nours again\n"
 
 
@@ -99,7 +107,7 @@ async def test_a_closed_stderr_costs_the_line_not_the_caller() -> None:
     lines = Lines(out)
     out.close()
     log(lines, b"nowhere to go")
-    await asyncio.sleep(0)  # the scheduled write meets a closed file and says nothing
+    await next_turn()  # the scheduled write meets a closed file and says nothing
     lines.write_out()
 
 
@@ -113,11 +121,13 @@ logs.configure("INFO", LogFormat.JSON)
 log = structlog.get_logger("t")
 log.info("start-up")
 
-async def main():
-    for i in range(1000):
+async def turn(start):  # the lines of one loop turn
+    for i in range(start, start + 100):
         log.info("outcome", i=i, token="not-a-real-token")
-        if i % 100 == 0:
-            await asyncio.sleep(0)
+
+async def main():
+    for start in range(0, 1000, 100):
+        await asyncio.create_task(turn(start))
     thread = threading.Thread(target=log.info, args=("from a thread",))
     thread.start(); thread.join()
     logging.getLogger("aiormq").warning("a library's line")

@@ -44,9 +44,13 @@ def _json_bytes(value: Any, **_: Any) -> bytes:
     return codec.dumps(value, default=repr)
 
 
+def _as_bytes(line: str) -> bytes:
+    return line.encode("utf-8", "backslashreplace")
+
+
 def _encode(_logger: Any, _name: str, line: Any) -> bytes:
     """The text renderer's line as bytes, for :class:`Lines`."""
-    return str(line).encode("utf-8", "backslashreplace")
+    return _as_bytes(str(line))
 
 
 class Lines:
@@ -105,7 +109,7 @@ class _Handler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.write(self.format(record).encode("utf-8", "backslashreplace") + b"\n")
+            self._lines.write(_as_bytes(self.format(record)) + b"\n")
             self._lines.flush()
         except Exception:  # as logging.StreamHandler: a record that cannot be formatted is reported
             self.handleError(record)
