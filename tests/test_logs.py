@@ -1,17 +1,21 @@
-"""Log lines: each event loop turn's lines go out in one write, and none is lost or cut."""
+"""Log lines: each event loop turn's lines go out in one write, stamped and redacted, and none is lost or cut."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import logging
+import re
 import subprocess
 import sys
 import threading
+import time
+from datetime import UTC, datetime
 
 import orjson
+import pytest
 
-from evolution_ingest.logs import Lines, _Handler
+from evolution_ingest.logs import Lines, _Handler, _Stamp, redact
 
 
 class Out(io.BytesIO):
@@ -35,9 +39,8 @@ async def next_turn() -> None:
 
 
 def log(lines: Lines, line: bytes) -> None:
-    """What structlog's BytesLogger does with a line."""
-    lines.write(line + b"\n")
-    lines.flush()
+    """What structlog does with a rendered line: ``Lines`` is its logger."""
+    lines.info(line)
 
 
 async def test_the_lines_of_a_loop_turn_go_out_together_at_the_next_turn() -> None:
@@ -155,3 +158,26 @@ def test_a_process_writes_every_line_whole_and_the_last_ones_at_exit() -> None:
     assert events[-1] == "the loop's last line"
     assert all(line.get("token") in (None, "[redacted]") for line in lines)
     assert b"not-a-real-token" not in done.stderr
+
+
+def test_a_line_is_stamped_in_utc_to_the_microsecond_and_the_second_is_made_anew() -> None:
+    stamp = _Stamp()
+    line = stamp(None, "info", {})["timestamp"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", line), line
+    assert abs(datetime.fromisoformat(line.replace("Z", "+00:00")) - datetime.now(UTC)).total_seconds() < 5
+
+
+def test_the_stamp_of_the_next_second_is_not_the_last_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    stamp, now = _Stamp(), iter([1_000_000_000.5, 1_000_000_000.75, 1_000_000_001.25, 1_000_086_400.0])
+    monkeypatch.setattr(time, "time", lambda: next(now))
+    assert [stamp(None, "info", {})["timestamp"] for _ in range(4)] == [
+        "2001-09-09T01:46:40.500000Z",
+        "2001-09-09T01:46:40.750000Z",
+        "2001-09-09T01:46:41.250000Z",
+        "2001-09-10T01:46:40.000000Z",
+    ]
+
+
+def test_secret_looking_keys_are_redacted_whatever_their_case() -> None:
+    line = redact(None, "info", {"Authorization": "Bearer x", "apiKey": "k", "instance": "sales"})
+    assert line == {"Authorization": "[redacted]", "apiKey": "[redacted]", "instance": "sales"}
