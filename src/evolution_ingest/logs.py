@@ -57,13 +57,14 @@ class _Stamp:
         return event_dict
 
 
-def _json(value: Any, **_: Any) -> str:
-    return codec.dumps(value, default=repr).decode()
-
-
 def _render(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> bytes:
     """The line as JSON bytes (what ``JSONRenderer`` gives, a call shorter)."""
     return codec.dumps(event_dict, default=repr)
+
+
+def _render_text(logger: Any, name: str, event_dict: MutableMapping[str, Any]) -> str:
+    """The same line as text, for the standard library's formatter."""
+    return _render(logger, name, event_dict).decode()
 
 
 def _as_bytes(line: str) -> bytes:
@@ -82,8 +83,8 @@ class Lines:
     turn, then written with every other line of the turn in one write; a line logged anywhere
     else (start-up, a one-shot command, another thread) is written at once. More than ``most``
     lines waiting are written at once too, and what is left at exit is written then. It is
-    structlog's logger itself (:meth:`msg`) and the file of the standard library's handler: the
-    ``flush`` after each line decides which.
+    structlog's logger itself (:meth:`msg`), and the standard library's handler writes to it too:
+    the ``flush`` after each line decides which.
     """
 
     def __init__(self, out: BinaryIO, *, most: int = 512) -> None:
@@ -94,13 +95,9 @@ class Lines:
         self._scheduled: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
-    def write(self, line: bytes) -> int:
-        with self._lock:
-            self._lines.append(line)
-        return len(line)
-
     def msg(self, message: bytes) -> None:
-        """A rendered line: this is the logger structlog writes to, whatever the level."""
+        """A rendered line, without its newline: structlog's logger, whatever the level, and the
+        standard library's handler both write here."""
         with self._lock:
             self._lines.append(message + b"\n")
         self.flush()
@@ -140,8 +137,7 @@ class _Handler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.write(_as_bytes(self.format(record)) + b"\n")
-            self._lines.flush()
+            self._lines.msg(_as_bytes(self.format(record)))
         except Exception:  # as logging.StreamHandler: a record that cannot be formatted is reported
             self.handleError(record)
 
@@ -168,7 +164,7 @@ def configure(level: str = "INFO", fmt: LogFormat = LogFormat.AUTO, *, cache: bo
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         to_bytes = [renderer, _encode]
     else:
-        renderer = structlog.processors.JSONRenderer(serializer=_json)
+        renderer = _render_text
         to_bytes = [_render]
     _write_out()
     lines = Lines(sys.stderr.buffer)
