@@ -187,7 +187,7 @@ async def test_with_redis_on_a_dead_port_fifty_copies_still_run_once(
         serving(runtime) as url,
     ):
         answers = await asyncio.gather(*(post(http, url, body) for _ in range(50)))
-        pending = runtime.counters.pending()
+        pending = await runtime.counters.pending()
     assert [status for status, _ in answers] == [200] * 50
     assert [a["status"] for _, a in answers].count("processed") == 1
     assert recorder.total == 1

@@ -123,9 +123,10 @@ class Counters:
         self._pending[names[0]] += 1
         self._paths[names[1]] = round(time.time(), 3)
 
-    def pending(self) -> dict[str, int]:
-        """Increments not yet flushed to Redis."""
-        return dict(self._pending)
+    async def pending(self) -> dict[str, int]:
+        """Increments not yet flushed to Redis (after a flush under way has kept or sent its own)."""
+        async with self._exclusive:
+            return dict(self._pending)
 
     async def flush(self) -> bool:
         """Send what is pending; True when Redis took it (or nothing was pending)."""
