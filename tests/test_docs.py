@@ -41,10 +41,39 @@ def test_the_routes_example_of_the_docs_is_a_valid_routes_file(
     assert [route.name for route in load_routes(path).routes] == ["presence-noise", "crm", "disconnected"]
 
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def test_every_link_between_the_docs_points_at_a_file_that_exists() -> None:
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in PAGES:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             assert (page.parent / target).exists(), f"{page.name} links to {target}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The fragments a page answers to, as GitHub makes them: each heading's slug (repeats numbered),
+    and each ``<a id="...">``."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    anchors = set(re.findall(r'<a id="([^"]+)"', text))
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_link_to_a_place_in_the_docs_points_at_a_heading_that_exists() -> None:
+    broken = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target, fragment in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", text):
+            if target and not target.endswith(".md"):
+                continue
+            if fragment not in _anchors(page.parent / target if target else page):
+                broken.append(f"{page.name} -> {target or page.name}#{fragment}")
+    assert not broken, "\n".join(broken)
 
 
 def _connectors() -> list[Any]:
