@@ -56,8 +56,8 @@ def _anchors(page: Path) -> set[str]:
     text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
     anchors = set(re.findall(r'<a id="([^"]+)"', text))
     seen: dict[str, int] = {}
-    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
-        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    for line in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", line)  # a link in a heading: its text
         slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
         anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
         seen[slug] = seen.get(slug, 0) + 1
