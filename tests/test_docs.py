@@ -1,4 +1,4 @@
-"""The docs match the code: the settings table is the settings model's, the routes example loads."""
+"""The docs match the code: the settings table is the settings model's, the routes example loads, every link lands."""
 
 from __future__ import annotations
 
