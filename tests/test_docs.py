@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -50,6 +51,7 @@ def test_every_link_between_the_docs_points_at_a_file_that_exists() -> None:
             assert (page.parent / target).exists(), f"{page.name} links to {target}"
 
 
+@functools.cache
 def _anchors(page: Path) -> set[str]:
     """The fragments a page answers to, as GitHub makes them: each heading's slug (repeats numbered),
     and each ``<a id="...">``."""
