@@ -254,13 +254,18 @@ def median_pair(pairs: Sequence[tuple[Row, Row]]) -> tuple[Row, Row, float]:
 
 
 async def _unique(iso: Isolation, service: Running, offset: int, n: int, name: str, note: str = "") -> Row:
-    """``n`` unique webhook events as fast as they go: a row, with the WAL and reads per event."""
+    """``n`` unique webhook events as fast as they go: a row, with the WAL and reads per event and
+    what each process spent on one (the service the one sent to; the other service of the round,
+    idle meanwhile, is in the rest of the machine)."""
     bodies, keys = workload(offset, n)
     done = iso.traced()
+    cpu = WindowCpu(lambda: service.pids)
+    cpu.start()
     result, machine = await _metered(iso, post_all(service.urls, bodies, 64, 300))
     await wait_traced(iso, done + n, 60)
+    spent = cpu.stop_per(n)
     return _row(name, n, result, Traced.read(iso.trace_dir), keys, service,
-                note="; ".join(part for part in (note, machine.per_event(n)) if part))  # fmt: skip
+                note="; ".join(part for part in (note, machine.per_event(n), cpu_note(spent)) if part))  # fmt: skip
 
 
 async def growth(
