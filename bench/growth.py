@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import asyncpg
 import orjson
@@ -28,6 +29,9 @@ from bench.report import Report, Row
 from bench.rounds import lower_median, rounds_note
 from bench.service import Running, e2e, running, service_env, wait_traced, workload
 from evolution_ingest.stores.retention import Partition
+
+#: A load run with what the machine and Postgres went through meanwhile.
+Metered = Callable[[Awaitable[LoadResult]], Awaitable[tuple[LoadResult, Pressure]]]
 
 _CHUNK = 250_000
 
@@ -153,28 +157,34 @@ async def _purge_under_load(
     return during, f"purge took {took:.0f} s, removed {removed}"
 
 
+async def _load_row(
+    iso: Isolation, service: Running, measured: Metered, bodies: list[bytes], keys: list[str], name: str,
+    *, concurrency: int, rate: float = 0.0, stalls: bool = False, note: str = "",
+) -> tuple[Row, LoadResult]:  # fmt: skip
+    """``bodies`` sent to ``service`` (at ``rate``, or as fast as they go at 0) and traced to the end: a
+    row of the report with the WAL and reads per event and what each process spent on one (the
+    service the one sent to; any other service, idle meanwhile, is in the rest of the machine),
+    after what the machine went through when ``stalls``; and the load's result."""
+    done = iso.traced()
+    cpu = WindowCpu(lambda: service.pids)
+    cpu.start()
+    result, machine = await measured(post_all(service.urls, bodies, concurrency, 300, rate=rate))
+    await wait_traced(iso, done + len(bodies), 60)
+    spent = cpu.stop_per(len(bodies))
+    parts = (note, str(machine) if stalls else "", machine.per_event(len(bodies)), cpu_note(spent))
+    row = _row(name, len(bodies), result, Traced.read(iso.trace_dir), keys, service,
+               note="; ".join(part for part in parts if part))  # fmt: skip
+    return row, result
+
+
 async def _half_load(
     report: Report, iso: Isolation, service: Running, meter: PressureMeter, bodies: list[bytes],
     keys: list[str], rate: float, name: str,
 ) -> LoadResult:  # fmt: skip
     """One half-load run without a purge: a row of the report, with what the machine went through."""
-    done = iso.traced()
-    cpu = WindowCpu(lambda: service.pids)
-    cpu.start()
-    result, machine = await meter.during(post_all(service.urls, bodies, 256, 300, rate=rate))
-    await wait_traced(iso, done + len(bodies), 60)
-    spent = cpu.stop_per(len(bodies))
-    report.rows.append(
-        _row(
-            name,
-            len(bodies),
-            result,
-            Traced.read(iso.trace_dir),
-            keys,
-            service,
-            note=f"{machine}; {machine.per_event(len(bodies))}; {cpu_note(spent)}",
-        )
-    )
+    row, result = await _load_row(iso, service, meter.during, bodies, keys, name, concurrency=256, rate=rate,
+                                  stalls=True)  # fmt: skip
+    report.rows.append(row)
     return result
 
 
@@ -254,18 +264,11 @@ def median_pair(pairs: Sequence[tuple[Row, Row]]) -> tuple[Row, Row, float]:
 
 
 async def _unique(iso: Isolation, service: Running, offset: int, n: int, name: str, note: str = "") -> Row:
-    """``n`` unique webhook events as fast as they go: a row, with the WAL and reads per event and
-    what each process spent on one (the service the one sent to; the other service of the round,
-    idle meanwhile, is in the rest of the machine)."""
+    """``n`` unique webhook events as fast as they go: a row (:func:`_load_row`)."""
     bodies, keys = workload(offset, n)
-    done = iso.traced()
-    cpu = WindowCpu(lambda: service.pids)
-    cpu.start()
-    result, machine = await _metered(iso, post_all(service.urls, bodies, 64, 300))
-    await wait_traced(iso, done + n, 60)
-    spent = cpu.stop_per(n)
-    return _row(name, n, result, Traced.read(iso.trace_dir), keys, service,
-                note="; ".join(part for part in (note, machine.per_event(n), cpu_note(spent)) if part))  # fmt: skip
+    row, _ = await _load_row(iso, service, functools.partial(_metered, iso), bodies, keys, name,
+                             concurrency=64, note=note)  # fmt: skip
+    return row
 
 
 async def growth(
