@@ -243,7 +243,9 @@ class Pressure:
     """What the machine went through over a window: time some task stalled waiting for a core or
     for I/O (the kernel's pressure-stall information, /proc/pressure), time the host took from the
     machine's cores (steal, summed over the cores), Postgres checkpoints, and what Postgres wrote
-    to its WAL and read from outside its buffers (the whole server's)."""
+    to its WAL and read from outside its buffers (the whole server's), and how often it flushed
+    the WAL to disk: the time those flushes took is known only where Postgres times them
+    (``track_wal_io_timing``), else ``wal_flush_ms`` is ``None``."""
 
     cpu_stall_ms: float
     io_stall_ms: float
@@ -253,11 +255,18 @@ class Pressure:
     wal_bytes: float
     full_page_images: int
     blocks_read: int
+    wal_flushes: int = 0
+    wal_flush_ms: float | None = None
 
     def __str__(self) -> str:
+        flushes = f"{self.wal_flushes:,} WAL flushes"
+        if self.wal_flush_ms is not None:
+            each = self.wal_flush_ms / self.wal_flushes if self.wal_flushes else 0.0
+            flushes += f" ({self.wal_flush_ms:,.0f} ms, {each * 1000:,.0f} µs each)"
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
-            f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing)"
+            f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing), "
+            f"{flushes}"
         )
 
     def per_event(self, events: int) -> str:
@@ -281,7 +290,8 @@ def _stall_us(resource: str) -> float:
 
 _POSTGRES = """
 SELECT b.checkpoints_timed + b.checkpoints_req, b.checkpoint_sync_time, w.wal_bytes, w.wal_fpi,
-       (SELECT sum(blks_read) FROM pg_stat_database)
+       (SELECT sum(blks_read) FROM pg_stat_database), w.wal_sync, w.wal_sync_time,
+       (current_setting('track_wal_io_timing') = 'on')::int
 FROM pg_stat_bgwriter AS b, pg_stat_wal AS w
 """
 
@@ -303,9 +313,10 @@ class PressureMeter:
     async def stop(self) -> Pressure:
         after = await self._sample()
         before = self._before
-        cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read = (
+        cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read, flushes, flush_ms, _ = (
             a - b for a, b in zip(after, before, strict=True)
         )
+        timed = bool(before[-1] and after[-1])
         return Pressure(
             cpu_stall_ms=cpu / 1000,
             io_stall_ms=io / 1000,
@@ -315,6 +326,8 @@ class PressureMeter:
             wal_bytes=wal,
             full_page_images=int(fpi),
             blocks_read=int(read),
+            wal_flushes=int(flushes),
+            wal_flush_ms=flush_ms if timed else None,
         )
 
     async def during(self, work: Awaitable[T]) -> tuple[T, Pressure]:

@@ -7,8 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+import asyncpg
 import pytest
 from bench import measure
+from bench.harness import DATABASE_URL
 from bench.measure import (
     CpuMeter,
     Pressure,
@@ -116,10 +118,12 @@ def test_the_windows_note_says_what_the_host_took() -> None:
         wal_bytes=1e6,
         full_page_images=20,
         blocks_read=3,
+        wal_flushes=1_500,
     )
-    assert str(pressure) == (
-        "CPU stall 4,192 ms, I/O stall 553 ms, taken by the host 812 ms, 1 checkpoint(s) (48 ms syncing)"
-    )
+    window = "CPU stall 4,192 ms, I/O stall 553 ms, taken by the host 812 ms, 1 checkpoint(s) (48 ms syncing)"
+    assert str(pressure) == f"{window}, 1,500 WAL flushes"  # Postgres did not time them
+    pressure.wal_flush_ms = 240.0
+    assert str(pressure) == f"{window}, 1,500 WAL flushes (240 ms, 160 µs each)"
 
 
 async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
@@ -127,7 +131,9 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
 ) -> None:
     stalls = {"cpu": iter([1_000_000.0, 5_000_000.0]), "io": iter([0.0, 250_000.0])}  # microseconds
     stolen = iter([2.0, 2.75])
-    postgres = iter([(3, 10.0, 1_000.0, 5, 7), (4, 58.0, 9_000.0, 25, 10)])
+    # checkpoints, their sync ms, WAL bytes, full-page images, blocks read, WAL flushes, their ms,
+    # whether Postgres timed them
+    postgres = iter([(3, 10.0, 1_000.0, 5, 7, 100, 20.0, 1), (4, 58.0, 9_000.0, 25, 10, 600, 95.0, 1)])
     monkeypatch.setattr(measure, "_stall_us", lambda resource: next(stalls[resource]))
     monkeypatch.setattr(measure, "stolen_seconds", lambda: next(stolen))
 
@@ -139,23 +145,44 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
     assert await meter.stop() == Pressure(
         cpu_stall_ms=4_000.0, io_stall_ms=250.0, stolen_ms=750.0, checkpoints=1,
         checkpoint_sync_ms=48.0, wal_bytes=8_000.0, full_page_images=20, blocks_read=3,
+        wal_flushes=500, wal_flush_ms=75.0,
     )  # fmt: skip
 
 
-async def test_the_publishers_cpu_is_a_group_of_its_own_without_its_preparing() -> None:
-    # A child that spends CPU, like the publisher, reaped inside the window; it says it spent
-    # 0.05 s preparing before the window, which is not the window's.
-    class Publisher:
-        preparing_cpu = 0.05
+async def test_wal_flush_time_is_left_unknown_unless_postgres_timed_the_whole_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(measure, "_stall_us", lambda resource: 0.0)
+    monkeypatch.setattr(measure, "stolen_seconds", lambda: 0.0)
+    # Timing turned on halfway: the flushes before it took no time that Postgres counted.
+    postgres = iter([(0, 0.0, 0.0, 0, 0, 100, 0.0, 0), (0, 0.0, 0.0, 0, 0, 600, 95.0, 1)])
 
-    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
-    with measure.dual_cpu(lambda: [], Publisher()) as used:
-        child = await asyncio.create_subprocess_exec(sys.executable, "-c", burn)
-        await child.wait()
-        assert used == {}  # filled in when the window ends
-    assert set(used) == {"service", "load generator", "publisher", "RabbitMQ", "Postgres", "Redis"}
-    assert used["service"] == 0.0  # no process in that group
-    # The child's 0.3 s, less the 0.05 it spent preparing; this process's own CPU over the window
-    # (it only waited for the child) is the load generator's, not the publisher's.
-    assert 0.2 <= used["publisher"] <= 0.45
-    assert used["load generator"] < 0.15
+    async def fetchrow(_query: str) -> tuple[float, ...]:
+        return next(postgres)
+
+    meter = PressureMeter(fetchrow)
+    await meter.start()
+    pressure = await meter.stop()
+    assert (pressure.wal_flushes, pressure.wal_flush_ms) == (500, None)
+
+
+async def test_the_meter_reads_a_real_postgres() -> None:
+    conn = await asyncpg.connect(DATABASE_URL)
+    try:
+        meter = PressureMeter(conn.fetchrow)
+        await meter.start()
+        # A commit on another backend, which reports its counters to the server as it exits
+        writer = await asyncpg.connect(DATABASE_URL)
+        await writer.execute("CREATE TEMP TABLE flushed (n int); INSERT INTO flushed VALUES (1)")
+        await writer.close()
+        timed = await conn.fetchval("SELECT current_setting('track_wal_io_timing') = 'on'")
+        for _ in range(50):
+            pressure = await meter.stop()
+            if pressure.wal_flushes:
+                break
+            await asyncio.sleep(0.1)  # wait-ok: the exiting backend's counters reach the server
+    finally:
+        await conn.close()
+    assert pressure.wal_bytes > 0
+    assert pressure.wal_flushes >= 1  # its commit flushed the WAL
+    assert (pressure.wal_flush_ms is not None) == timed
