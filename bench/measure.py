@@ -245,7 +245,9 @@ class Pressure:
     machine's cores (steal, summed over the cores), Postgres checkpoints, and what Postgres wrote
     to its WAL and read from outside its buffers (the whole server's), and how often it flushed
     the WAL to disk: the time those flushes took is known only where Postgres times them
-    (``track_wal_io_timing``), else ``wal_flush_ms`` is ``None``."""
+    (``track_wal_io_timing``), else ``wal_flush_ms`` is ``None``. Where the WAL's disk is on
+    this machine, also what that disk did, as the kernel's block layer saw it: writes and
+    cache flushes completed and the time they took (all of the disk's, not only Postgres's)."""
 
     cpu_stall_ms: float
     io_stall_ms: float
@@ -257,12 +259,21 @@ class Pressure:
     blocks_read: int
     wal_flushes: int = 0
     wal_flush_ms: float | None = None
+    disk_writes: int = 0
+    disk_write_ms: float = 0.0
+    disk_flushes: int = 0
+    disk_flush_ms: float = 0.0
 
     def __str__(self) -> str:
         flushes = f"{self.wal_flushes:,} WAL flushes"
         if self.wal_flush_ms is not None:
             each = self.wal_flush_ms / self.wal_flushes if self.wal_flushes else 0.0
             flushes += f" ({self.wal_flush_ms:,.0f} ms, {each * 1000:,.0f} µs each)"
+        if self.disk_writes or self.disk_flushes:
+            flushes += (
+                f"; its disk: {self.disk_writes:,} writes ({_each_us(self.disk_write_ms, self.disk_writes)}), "
+                f"{self.disk_flushes:,} cache flushes ({_each_us(self.disk_flush_ms, self.disk_flushes)})"
+            )
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
             f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing), "
@@ -279,6 +290,32 @@ class Pressure:
         )
 
 
+def _each_us(ms: float, count: int) -> str:
+    return f"{ms / count * 1000:,.0f} µs each" if count else "none"
+
+
+def disk_counters(path: str | None, sys_block: str = "/sys/dev/block") -> tuple[float, float, float, float]:
+    """Writes completed, milliseconds writing, cache flushes completed and milliseconds flushing,
+    since boot, of the disk that holds ``path`` (the whole disk for a partition), from the kernel's
+    block-layer statistics; zeros where the path is not on this machine or not on a block device
+    (a network or memory file system), or where the kernel does not count flushes (before 5.5)."""
+    if path is None:
+        return 0.0, 0.0, 0.0, 0.0
+    try:
+        device = os.stat(path).st_dev
+        node = Path(sys_block) / f"{os.major(device)}:{os.minor(device)}"
+        if (node / "partition").exists():
+            node = node.resolve().parent
+        fields = (node / "stat").read_text().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0, 0.0, 0.0
+    # reads: 0-3; writes completed, merged, sectors, ms: 4-7; in flight, ms, weighted: 8-10;
+    # discards: 11-14; flushes completed, ms: 15-16
+    if len(fields) < 17:
+        return float(fields[4]), float(fields[7]), 0.0, 0.0
+    return float(fields[4]), float(fields[7]), float(fields[15]), float(fields[16])
+
+
 def _stall_us(resource: str) -> float:
     """Microseconds some task stalled on ``resource`` since boot (0 where PSI is off)."""
     try:
@@ -291,7 +328,9 @@ def _stall_us(resource: str) -> float:
 _POSTGRES = """
 SELECT b.checkpoints_timed + b.checkpoints_req, b.checkpoint_sync_time, w.wal_bytes, w.wal_fpi,
        (SELECT sum(blks_read) FROM pg_stat_database), w.wal_sync, w.wal_sync_time,
-       (current_setting('track_wal_io_timing') = 'on')::int
+       (current_setting('track_wal_io_timing') = 'on')::int,
+       CASE WHEN pg_has_role('pg_read_all_settings', 'USAGE')
+            THEN current_setting('data_directory') || '/pg_wal' END
 FROM pg_stat_bgwriter AS b, pg_stat_wal AS w
 """
 
@@ -304,8 +343,11 @@ class PressureMeter:
         self._before: tuple[float, ...] = ()
 
     async def _sample(self) -> tuple[float, ...]:
-        record = await self._fetchrow(_POSTGRES)
-        return _stall_us("cpu"), _stall_us("io"), stolen_seconds(), *(float(value) for value in record)
+        *counters, timed, wal = await self._fetchrow(_POSTGRES)
+        return (
+            _stall_us("cpu"), _stall_us("io"), stolen_seconds(), *(float(value) for value in counters),
+            *disk_counters(wal), float(timed),
+        )  # fmt: skip
 
     async def start(self) -> None:
         self._before = await self._sample()
@@ -313,7 +355,7 @@ class PressureMeter:
     async def stop(self) -> Pressure:
         after = await self._sample()
         before = self._before
-        cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read, flushes, flush_ms, _ = (
+        cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read, flushes, flush_ms, *disk, _ = (
             a - b for a, b in zip(after, before, strict=True)
         )
         timed = bool(before[-1] and after[-1])
@@ -328,6 +370,10 @@ class PressureMeter:
             blocks_read=int(read),
             wal_flushes=int(flushes),
             wal_flush_ms=flush_ms if timed else None,
+            disk_writes=int(disk[0]),
+            disk_write_ms=disk[1],
+            disk_flushes=int(disk[2]),
+            disk_flush_ms=disk[3],
         )
 
     async def during(self, work: Awaitable[T]) -> tuple[T, Pressure]:

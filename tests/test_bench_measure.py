@@ -124,6 +124,35 @@ def test_the_windows_note_says_what_the_host_took() -> None:
     assert str(pressure) == f"{window}, 1,500 WAL flushes"  # Postgres did not time them
     pressure.wal_flush_ms = 240.0
     assert str(pressure) == f"{window}, 1,500 WAL flushes (240 ms, 160 µs each)"
+    pressure.disk_writes, pressure.disk_write_ms, pressure.disk_flushes = 2_000, 900.0, 0
+    assert str(pressure) == (
+        f"{window}, 1,500 WAL flushes (240 ms, 160 µs each); its disk: 2,000 writes (450 µs each), 0 cache flushes (none)"
+    )
+
+
+def test_the_disks_counters_are_the_whole_disks_even_for_a_partition(tmp_path: Path) -> None:
+    # /sys/dev/block/<major>:<minor> of a partition links inside its disk's directory
+    held = tmp_path / "file"
+    held.write_text("", encoding="ascii")
+    device = os.stat(held).st_dev
+    disk = tmp_path / "devices" / "vda"
+    (disk / "vda1").mkdir(parents=True)
+    (disk / "vda1" / "partition").write_text("1\n", encoding="ascii")
+    (disk / "vda1" / "stat").write_text(" ".join(["9"] * 17), encoding="ascii")
+    # reads (4), writes 300 in 150 ms, in flight, ms, weighted, discards (4), flushes 40 in 2 ms
+    (disk / "stat").write_text("1 0 8 1 300 5 2400 150 0 100 160 0 0 0 0 40 2\n", encoding="ascii")
+    blocks = tmp_path / "block"
+    blocks.mkdir()
+    (blocks / f"{os.major(device)}:{os.minor(device)}").symlink_to(disk / "vda1")
+    assert measure.disk_counters(str(held), str(blocks)) == (300.0, 150.0, 40.0, 2.0)
+
+    # a kernel before 5.5 counts no flushes
+    (disk / "stat").write_text("1 0 8 1 300 5 2400 150 0 100 160\n", encoding="ascii")
+    assert measure.disk_counters(str(held), str(blocks)) == (300.0, 150.0, 0.0, 0.0)
+    # not this machine's, or not a block device's
+    assert measure.disk_counters(str(tmp_path / "missing"), str(blocks)) == (0.0, 0.0, 0.0, 0.0)
+    assert measure.disk_counters(str(held), str(tmp_path / "none")) == (0.0, 0.0, 0.0, 0.0)
+    assert measure.disk_counters(None) == (0.0, 0.0, 0.0, 0.0)
 
 
 async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
@@ -132,10 +161,15 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
     stalls = {"cpu": iter([1_000_000.0, 5_000_000.0]), "io": iter([0.0, 250_000.0])}  # microseconds
     stolen = iter([2.0, 2.75])
     # checkpoints, their sync ms, WAL bytes, full-page images, blocks read, WAL flushes, their ms,
-    # whether Postgres timed them
-    postgres = iter([(3, 10.0, 1_000.0, 5, 7, 100, 20.0, 1), (4, 58.0, 9_000.0, 25, 10, 600, 95.0, 1)])
+    # whether Postgres timed them, where its WAL lies
+    postgres = iter([
+        (3, 10.0, 1_000.0, 5, 7, 100, 20.0, 1, "/pg/wal"), (4, 58.0, 9_000.0, 25, 10, 600, 95.0, 1, "/pg/wal"),
+    ])  # fmt: skip
+    # the WAL disk's writes, ms writing, cache flushes, ms flushing
+    disk = iter([(1_000.0, 500.0, 40.0, 2.0), (1_800.0, 980.0, 140.0, 9.5)])
     monkeypatch.setattr(measure, "_stall_us", lambda resource: next(stalls[resource]))
     monkeypatch.setattr(measure, "stolen_seconds", lambda: next(stolen))
+    monkeypatch.setattr(measure, "disk_counters", lambda path: next(disk) if path == "/pg/wal" else None)
 
     async def fetchrow(_query: str) -> tuple[float, ...]:
         return next(postgres)
@@ -145,7 +179,8 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
     assert await meter.stop() == Pressure(
         cpu_stall_ms=4_000.0, io_stall_ms=250.0, stolen_ms=750.0, checkpoints=1,
         checkpoint_sync_ms=48.0, wal_bytes=8_000.0, full_page_images=20, blocks_read=3,
-        wal_flushes=500, wal_flush_ms=75.0,
+        wal_flushes=500, wal_flush_ms=75.0, disk_writes=800, disk_write_ms=480.0, disk_flushes=100,
+        disk_flush_ms=7.5,
     )  # fmt: skip
 
 
@@ -155,7 +190,7 @@ async def test_wal_flush_time_is_left_unknown_unless_postgres_timed_the_whole_wi
     monkeypatch.setattr(measure, "_stall_us", lambda resource: 0.0)
     monkeypatch.setattr(measure, "stolen_seconds", lambda: 0.0)
     # Timing turned on halfway: the flushes before it took no time that Postgres counted.
-    postgres = iter([(0, 0.0, 0.0, 0, 0, 100, 0.0, 0), (0, 0.0, 0.0, 0, 0, 600, 95.0, 1)])
+    postgres = iter([(0, 0.0, 0.0, 0, 0, 100, 0.0, 0, None), (0, 0.0, 0.0, 0, 0, 600, 95.0, 1, None)])
 
     async def fetchrow(_query: str) -> tuple[float, ...]:
         return next(postgres)
@@ -176,6 +211,7 @@ async def test_the_meter_reads_a_real_postgres() -> None:
         await writer.execute("CREATE TEMP TABLE flushed (n int); INSERT INTO flushed VALUES (1)")
         await writer.close()
         timed = await conn.fetchval("SELECT current_setting('track_wal_io_timing') = 'on'")
+        wal = await conn.fetchval("SELECT current_setting('data_directory') || '/pg_wal'")
         for _ in range(50):
             pressure = await meter.stop()
             if pressure.wal_flushes:
@@ -186,3 +222,5 @@ async def test_the_meter_reads_a_real_postgres() -> None:
     assert pressure.wal_bytes > 0
     assert pressure.wal_flushes >= 1  # its commit flushed the WAL
     assert (pressure.wal_flush_ms is not None) == timed
+    if measure.disk_counters(wal) != (0.0, 0.0, 0.0, 0.0):  # the WAL is on a disk of this machine
+        assert pressure.disk_writes >= 1  # the flush wrote the WAL to it
