@@ -93,6 +93,18 @@ def pids_named(*names: str) -> list[int]:
     return found
 
 
+def core_waits(pids: Iterable[int]) -> dict[int, float]:
+    """Seconds each process has spent runnable but waiting for a core, since it started
+    (``/proc/<pid>/schedstat``; processes gone meanwhile, or a kernel without it, are left out)."""
+    waits = {}
+    for pid in pids:
+        try:
+            waits[pid] = int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue
+    return waits
+
+
 def status_mb(pid: int, field: str) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -247,7 +259,9 @@ class Pressure:
     the WAL to disk: the time those flushes took is known only where Postgres times them
     (``track_wal_io_timing``), else ``wal_flush_ms`` is ``None``. Where the WAL's disk is on
     this machine, also what that disk did, as the kernel's block layer saw it: writes and
-    cache flushes completed and the time they took (all of the disk's, not only Postgres's)."""
+    cache flushes completed and the time they took (all of the disk's, not only Postgres's), and
+    the time Postgres's processes spent ready to run but waiting for a core (those alive at the
+    window's end)."""
 
     cpu_stall_ms: float
     io_stall_ms: float
@@ -263,6 +277,7 @@ class Pressure:
     disk_write_ms: float = 0.0
     disk_flushes: int = 0
     disk_flush_ms: float = 0.0
+    postgres_core_wait_ms: float | None = None
 
     def __str__(self) -> str:
         flushes = f"{self.wal_flushes:,} WAL flushes"
@@ -274,6 +289,8 @@ class Pressure:
                 f"; its disk: {self.disk_writes:,} writes ({_each_us(self.disk_write_ms, self.disk_writes)}), "
                 f"{self.disk_flushes:,} cache flushes ({_each_us(self.disk_flush_ms, self.disk_flushes)})"
             )
+        if self.postgres_core_wait_ms is not None:
+            flushes += f"; Postgres waited {self.postgres_core_wait_ms:,.0f} ms for a core"
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
             f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing), "
@@ -341,6 +358,7 @@ class PressureMeter:
     def __init__(self, fetchrow: Callable[[str], Any]) -> None:
         self._fetchrow = fetchrow
         self._before: tuple[float, ...] = ()
+        self._waits: dict[int, float] = {}
 
     async def _sample(self) -> tuple[float, ...]:
         *counters, timed, wal = await self._fetchrow(_POSTGRES)
@@ -351,9 +369,11 @@ class PressureMeter:
 
     async def start(self) -> None:
         self._before = await self._sample()
+        self._waits = core_waits(pids_named("postgres"))
 
     async def stop(self) -> Pressure:
         after = await self._sample()
+        waits = core_waits(pids_named("postgres"))
         before = self._before
         cpu, io, stolen, checkpoints, sync_ms, wal, fpi, read, flushes, flush_ms, *disk, _ = (
             a - b for a, b in zip(after, before, strict=True)
@@ -374,6 +394,10 @@ class PressureMeter:
             disk_write_ms=disk[1],
             disk_flushes=int(disk[2]),
             disk_flush_ms=disk[3],
+            # a process started in the window waited all of its time in it
+            postgres_core_wait_ms=(
+                sum(wait - self._waits.get(pid, 0.0) for pid, wait in waits.items()) * 1000 if waits else None
+            ),
         )
 
     async def during(self, work: Awaitable[T]) -> tuple[T, Pressure]:

@@ -128,6 +128,15 @@ def test_the_windows_note_says_what_the_host_took() -> None:
     assert str(pressure) == (
         f"{window}, 1,500 WAL flushes (240 ms, 160 µs each); its disk: 2,000 writes (450 µs each), 0 cache flushes (none)"
     )
+    pressure.postgres_core_wait_ms = 1_250.0
+    assert str(pressure).endswith("0 cache flushes (none); Postgres waited 1,250 ms for a core")
+
+
+def test_core_waits_are_each_live_processes_time_ready_but_not_running() -> None:
+    gone = 2**22 + 1  # above the kernel's largest pid
+    waits = measure.core_waits([os.getpid(), gone])
+    assert set(waits) == {os.getpid()}
+    assert waits[os.getpid()] >= 0.0
 
 
 def test_the_disks_counters_are_the_whole_disks_even_for_a_partition(tmp_path: Path) -> None:
@@ -170,6 +179,9 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
     monkeypatch.setattr(measure, "_stall_us", lambda resource: next(stalls[resource]))
     monkeypatch.setattr(measure, "stolen_seconds", lambda: next(stolen))
     monkeypatch.setattr(measure, "disk_counters", lambda path: next(disk) if path == "/pg/wal" else None)
+    # Postgres's processes' seconds waiting for a core: pid 2 exits, pid 3 starts within the window
+    waits = iter([{1: 0.5, 2: 1.0}, {1: 0.75, 3: 0.125}])
+    monkeypatch.setattr(measure, "core_waits", lambda pids: next(waits))
 
     async def fetchrow(_query: str) -> tuple[float, ...]:
         return next(postgres)
@@ -180,7 +192,7 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
         cpu_stall_ms=4_000.0, io_stall_ms=250.0, stolen_ms=750.0, checkpoints=1,
         checkpoint_sync_ms=48.0, wal_bytes=8_000.0, full_page_images=20, blocks_read=3,
         wal_flushes=500, wal_flush_ms=75.0, disk_writes=800, disk_write_ms=480.0, disk_flushes=100,
-        disk_flush_ms=7.5,
+        disk_flush_ms=7.5, postgres_core_wait_ms=375.0,
     )  # fmt: skip
 
 
@@ -189,6 +201,7 @@ async def test_wal_flush_time_is_left_unknown_unless_postgres_timed_the_whole_wi
 ) -> None:
     monkeypatch.setattr(measure, "_stall_us", lambda resource: 0.0)
     monkeypatch.setattr(measure, "stolen_seconds", lambda: 0.0)
+    monkeypatch.setattr(measure, "core_waits", lambda pids: {})  # no Postgres on this machine
     # Timing turned on halfway: the flushes before it took no time that Postgres counted.
     postgres = iter([(0, 0.0, 0.0, 0, 0, 100, 0.0, 0, None), (0, 0.0, 0.0, 0, 0, 600, 95.0, 1, None)])
 
@@ -199,6 +212,7 @@ async def test_wal_flush_time_is_left_unknown_unless_postgres_timed_the_whole_wi
     await meter.start()
     pressure = await meter.stop()
     assert (pressure.wal_flushes, pressure.wal_flush_ms) == (500, None)
+    assert pressure.postgres_core_wait_ms is None
 
 
 async def test_the_meter_reads_a_real_postgres() -> None:
@@ -222,5 +236,7 @@ async def test_the_meter_reads_a_real_postgres() -> None:
     assert pressure.wal_bytes > 0
     assert pressure.wal_flushes >= 1  # its commit flushed the WAL
     assert (pressure.wal_flush_ms is not None) == timed
+    assert pressure.postgres_core_wait_ms is not None  # Postgres runs on this machine
+    assert pressure.postgres_core_wait_ms >= 0.0
     if measure.disk_counters(wal) != (0.0, 0.0, 0.0, 0.0):  # the WAL is on a disk of this machine
         assert pressure.disk_writes >= 1  # the flush wrote the WAL to it
