@@ -196,6 +196,25 @@ async def test_a_windows_pressure_takes_each_figure_from_its_own_counter(
     )  # fmt: skip
 
 
+async def test_the_publishers_cpu_is_a_group_of_its_own_without_its_preparing() -> None:
+    # A child that spends CPU, like the publisher, reaped inside the window; it says it spent
+    # 0.05 s preparing before the window, which is not the window's.
+    class Publisher:
+        preparing_cpu = 0.05
+
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+    with measure.dual_cpu(lambda: [], Publisher()) as used:
+        child = await asyncio.create_subprocess_exec(sys.executable, "-c", burn)
+        await child.wait()
+        assert used == {}  # filled in when the window ends
+    assert set(used) == {"service", "load generator", "publisher", "RabbitMQ", "Postgres", "Redis"}
+    assert used["service"] == 0.0  # no process in that group
+    # The child's 0.3 s, less the 0.05 it spent preparing; this process's own CPU over the window
+    # (it only waited for the child) is the load generator's, not the publisher's.
+    assert 0.2 <= used["publisher"] <= 0.45
+    assert used["load generator"] < 0.15
+
+
 async def test_wal_flush_time_is_left_unknown_unless_postgres_timed_the_whole_window(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
