@@ -280,21 +280,20 @@ class Pressure:
     postgres_core_wait_ms: float | None = None
 
     def __str__(self) -> str:
-        flushes = f"{self.wal_flushes:,} WAL flushes"
+        wal = f"{self.wal_flushes:,} WAL flushes"
         if self.wal_flush_ms is not None:
-            each = self.wal_flush_ms / self.wal_flushes if self.wal_flushes else 0.0
-            flushes += f" ({self.wal_flush_ms:,.0f} ms, {each * 1000:,.0f} µs each)"
+            wal += f" ({self.wal_flush_ms:,.0f} ms, {_each_us(self.wal_flush_ms, self.wal_flushes)})"
         if self.disk_writes or self.disk_flushes:
-            flushes += (
+            wal += (
                 f"; its disk: {self.disk_writes:,} writes ({_each_us(self.disk_write_ms, self.disk_writes)}), "
                 f"{self.disk_flushes:,} cache flushes ({_each_us(self.disk_flush_ms, self.disk_flushes)})"
             )
         if self.postgres_core_wait_ms is not None:
-            flushes += f"; Postgres waited {self.postgres_core_wait_ms:,.0f} ms for a core"
+            wal += f"; Postgres waited {self.postgres_core_wait_ms:,.0f} ms for a core"
         return (
             f"CPU stall {self.cpu_stall_ms:,.0f} ms, I/O stall {self.io_stall_ms:,.0f} ms, "
             f"taken by the host {self.stolen_ms:,.0f} ms, {self.checkpoints} checkpoint(s) ({self.checkpoint_sync_ms:,.0f} ms syncing), "
-            f"{flushes}"
+            f"{wal}"
         )
 
     def per_event(self, events: int) -> str:
