@@ -37,6 +37,7 @@ def test_a_flush_is_split_into_cpu_sleep_and_waiting_for_a_core() -> None:
     assert flush.woken_waiting == pytest.approx(640e-6)  # woken, python kept the core
     assert flush.preempted_waiting == 0.0
     assert flush.disk == pytest.approx(200e-6)  # its write, issued to completed
+    assert flush.any_disk == pytest.approx(200e-6)
     assert result.requests == {"WS": [pytest.approx(200e-6)]}
 
 
@@ -46,8 +47,8 @@ def test_the_parts_add_up_to_the_call_and_preemption_is_its_own_part() -> None:
         postgres  10 [000]     5.000100:           sched:sched_switch: prev_comm=postgres prev_pid=10 prev_prio=120 prev_state=R+ ==> next_comm=beam.smp next_pid=20 next_prio=120
         beam.smp  20 [000]     5.000400:           sched:sched_switch: prev_comm=beam.smp prev_pid=20 prev_prio=120 prev_state=S ==> next_comm=postgres next_pid=10 next_prio=120
         postgres  10 [000]     5.000500:           sched:sched_switch: prev_comm=postgres prev_pid=10 prev_prio=120 prev_state=D ==> next_comm=swapper/0 next_pid=0 next_prio=120
-   kworker/0:1H-kb  30 [000]     5.000550:         block:block_rq_issue: 254,0 FF 0 () 0 + 0 0x2,0,4 [kworker/0:1H]
-         swapper     0 [000]     5.000700:      block:block_rq_complete: 254,0 FF () 0 + 0 0x2,0,4 [0]
+   kworker/0:1H-kb  30 [000]     5.000550:         block:block_rq_issue: 254,0 FF 0 () 0 + 0 0x0,0,0 [kworker/0:1H]
+         swapper     0 [000]     5.000700:      block:block_rq_complete: 254,0 FF () 18446744073709551615 + 0 0x0,0,0 [0]
          swapper     0 [000]     5.000710:          sched:sched_waking: comm=postgres pid=10 prio=120 target_cpu=000
          swapper     0 [000]     5.000720:           sched:sched_switch: prev_comm=swapper/0 prev_pid=0 prev_prio=120 prev_state=R ==> next_comm=postgres next_pid=10 next_prio=120
         postgres  10 [000]     5.000800:  syscalls:sys_exit_fdatasync: 0x0
@@ -59,6 +60,7 @@ def test_the_parts_add_up_to_the_call_and_preemption_is_its_own_part() -> None:
     assert flush.asleep == pytest.approx(210e-6)
     assert flush.woken_waiting == pytest.approx(10e-6)
     assert flush.disk == 0.0  # the cache flush was issued by a kernel worker, not by this process
+    assert flush.any_disk == pytest.approx(150e-6)  # but the disk had it in hand
 
 
 def test_only_postgres_flushes_count_and_a_call_cut_by_the_recording_is_left_out() -> None:
