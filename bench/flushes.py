@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
+import os
+import platform
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from collections import defaultdict, deque
@@ -34,7 +39,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import Isolation, median, post_all
+import asyncpg
+
+from bench.harness import DATABASE_URL, Isolation, median, post_all
 from bench.service import running, wait_traced, workload
 
 TRACEPOINTS = (
@@ -261,6 +268,45 @@ def summary(result: Split) -> list[str]:
     return lines
 
 
+#: sched_setattr and sched_getattr, by machine; struct sched_attr as of its first version (56 bytes)
+_SCHED_CALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+_SCHED_ATTR = struct.Struct("IIQiIQQQII")
+
+
+def set_slice(pid: int, slice_ns: int) -> int:
+    """Ask the kernel to give ``pid`` a scheduler slice of ``slice_ns`` (the normal policy; EEVDF
+    keeps a custom slice from Linux 6.12 on, 0 is the default) and return the slice it reports."""
+    calls = _SCHED_CALLS.get(platform.machine())
+    if calls is None:
+        raise OSError(f"sched_setattr: no system call number known for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = ctypes.create_string_buffer(_SCHED_ATTR.pack(_SCHED_ATTR.size, 0, 0, 0, 0, slice_ns, 0, 0, 0, 0))
+    if libc.syscall(calls[0], pid, attr, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"sched_setattr of {pid}: {os.strerror(ctypes.get_errno())}")
+    got = ctypes.create_string_buffer(_SCHED_ATTR.size)
+    if libc.syscall(calls[1], pid, got, _SCHED_ATTR.size, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"sched_getattr of {pid}: {os.strerror(ctypes.get_errno())}")
+    return int(_SCHED_ATTR.unpack(got.raw)[5])
+
+
+async def _slices(application: str, slice_ns: int, done: asyncio.Event, kept: dict[int, int]) -> None:
+    """Until ``done``: the slice of each Postgres backend of ``application``, as it connects."""
+    conn = await asyncpg.connect(DATABASE_URL)
+    try:
+        while not done.is_set():
+            pids = await conn.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = $1", application
+            )
+            for (pid,) in pids:
+                if pid not in kept:
+                    with contextlib.suppress(ProcessLookupError):
+                        kept[pid] = set_slice(pid, slice_ns)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.2)
+    finally:
+        await conn.close()
+
+
 async def _record(data: Path, seconds: float, delay: float) -> None:
     await asyncio.sleep(delay)
     proc = await asyncio.create_subprocess_exec(
@@ -285,9 +331,17 @@ async def _script(data: Path) -> list[Event]:
 async def main(args: argparse.Namespace) -> None:
     out: Path = args.out
     iso = Isolation()
+    application = f"bench-flushes-{iso.run_id}"
     sent = 0
+    kept: dict[int, int] = {}
+    done = asyncio.Event()
+    slicing = None
     try:
-        async with running(iso, "up") as service:
+        async with running(iso, "up", settings={"DATABASE_APPLICATION_NAME": application}) as service:
+            if args.postgres_slice_us:
+                slicing = asyncio.create_task(
+                    _slices(application, int(args.postgres_slice_us * 1000), done, kept)
+                )
             for rate in args.rates:
                 count = int(rate * (args.seconds + 2 * args.margin))
                 bodies, _ = workload(sent, count)
@@ -305,7 +359,14 @@ async def main(args: argparse.Namespace) -> None:
                 for line in summary(split(await _script(data))):
                     print("  " + line)
     finally:
+        done.set()
+        if slicing is not None:
+            await slicing
         await iso.cleanup()
+    if args.postgres_slice_us:
+        slices = sorted({ns / 1000 for ns in kept.values()})
+        print(f"the service's {len(kept)} Postgres backends were asked for a slice of "
+              f"{args.postgres_slice_us:g} µs; the kernel reported {', '.join(f'{us:g}' for us in slices)} µs")  # fmt: skip
     print(f"recordings in {out} (perf script --input …)")
 
 
@@ -327,11 +388,16 @@ def cli(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--margin", type=float, default=4.0,
                         help="seconds of load before and after each recording")  # fmt: skip
     parser.add_argument("--out", help="folder for the recordings (default: a new temporary one)")
+    parser.add_argument("--postgres-slice-us", type=float, default=0.0,
+                        help="ask the kernel for this scheduler slice (µs, Linux 6.12+) for the "
+                             "service's own Postgres backends while they live (default: leave them)")  # fmt: skip
     args = parser.parse_args(argv)
     if not 1 <= args.seconds <= 60:
         parser.error("--seconds: between 1 and 60")
     if not 0 <= args.margin <= 60:
         parser.error("--margin: between 0 and 60")
+    if args.postgres_slice_us and not 100 <= args.postgres_slice_us <= 100_000:
+        parser.error("--postgres-slice-us: between 100 and 100000 (the kernel's bounds), or 0 to leave it")
     if shutil.which("perf") is None:
         parser.error("needs perf (Debian: apt install linux-perf)")
     args.out = Path(args.out or tempfile.mkdtemp(prefix="bench-flushes-"))

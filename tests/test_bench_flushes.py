@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import platform
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -128,3 +130,34 @@ async def test_a_real_recording_splits_a_real_backends_commits(tmp_path: Path) -
     if disk_counters(wal) != (0.0, 0.0, 0.0, 0.0):  # the WAL is on a disk of this machine
         assert any(flush.disk > 0 for flush in own)
         assert any(kind.startswith("W") for kind in result.requests)
+
+
+def _kernel_keeps_custom_slices() -> bool:
+    major, minor = (int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    return (major, minor) >= (6, 12)
+
+
+@pytest.mark.skipif(not _kernel_keeps_custom_slices(), reason="EEVDF's custom slice came in Linux 6.12")
+async def test_the_slice_of_an_applications_backends_is_set_while_they_live() -> None:
+    application = "test-flushes-" + uuid.uuid4().hex[:12]
+    conn = await asyncpg.connect(DATABASE_URL, server_settings={"application_name": application})
+    other = await asyncpg.connect(DATABASE_URL)  # another application's backend is left alone
+    try:
+        pid, other_pid = (
+            await conn.fetchval("SELECT pg_backend_pid()"),
+            await other.fetchval("SELECT pg_backend_pid()"),
+        )
+        done, kept = asyncio.Event(), {}
+        slicing = asyncio.create_task(flushes._slices(application, 150_000, done, kept))
+        for _ in range(100):
+            if kept:
+                break
+            await asyncio.sleep(0.05)  # wait-ok: the first pass over pg_stat_activity
+        done.set()
+        await slicing
+        assert kept == {pid: 150_000}
+        assert flushes.set_slice(pid, 0) not in (0, 150_000)  # back to the kernel's own slice
+        assert other_pid not in kept
+    finally:
+        await conn.close()
+        await other.close()
