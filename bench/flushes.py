@@ -1,7 +1,8 @@
 """Where a WAL flush's time goes: each ``fdatasync`` of Postgres split by the scheduler's and the
 block layer's tracepoints, under paced webhook load on ``up``.
 
-    .venv/bin/python -m bench.flushes [--rates 100,1000] [--seconds 10] [--out DIR]
+    .venv/bin/python -m bench.flushes [--rates 100,1000] [--seconds 10] [--margin 4]
+                                      [--postgres-slice-us 0] [--out DIR]
 
 For each rate (unique events/s by webhook, open loop) one ``up`` process takes the load while
 ``perf record`` traces the whole machine for ``--seconds`` in its middle: the scheduler's switches
@@ -268,6 +269,10 @@ def summary(result: Split) -> list[str]:
     return lines
 
 
+class PerfError(RuntimeError):
+    """``perf`` could not record or read a recording."""
+
+
 #: sched_setattr and sched_getattr, by machine; struct sched_attr as of its first version (56 bytes)
 _SCHED_CALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _SCHED_ATTR = struct.Struct("IIQiIQQQII")
@@ -316,7 +321,7 @@ async def _record(data: Path, seconds: float, delay: float) -> None:
     )  # fmt: skip
     _, err = await proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"perf record failed: {err.decode(errors='replace').strip()[-300:]}")
+        raise PerfError(f"perf record failed: {err.decode(errors='replace').strip()[-300:]}")
 
 
 async def _script(data: Path) -> list[Event]:
@@ -346,10 +351,15 @@ async def main(args: argparse.Namespace) -> None:
                 count = int(rate * (args.seconds + 2 * args.margin))
                 bodies, _ = workload(sent, count)
                 data = out / f"flushes-{rate:g}.data"
-                load, _ = await asyncio.gather(
-                    post_all(service.urls, bodies, 256, 3 * args.seconds + 60, rate=rate),
-                    _record(data, args.seconds, args.margin),
-                )
+                try:
+                    async with asyncio.TaskGroup() as group:  # perf failing stops the load too
+                        loading = group.create_task(
+                            post_all(service.urls, bodies, 256, 3 * args.seconds + 60, rate=rate)
+                        )
+                        group.create_task(_record(data, args.seconds, args.margin))
+                except* PerfError as failed:
+                    raise failed.exceptions[0] from None
+                load = loading.result()
                 sent += count
                 await wait_traced(iso, sent, 60)
                 print(
@@ -400,6 +410,8 @@ def cli(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--postgres-slice-us: between 100 and 100000 (the kernel's bounds), or 0 to leave it")
     if shutil.which("perf") is None:
         parser.error("needs perf (Debian: apt install linux-perf)")
+    if args.postgres_slice_us and os.geteuid() != 0:
+        parser.error("--postgres-slice-us: needs root, to set the slice of Postgres's processes")
     args.out = Path(args.out or tempfile.mkdtemp(prefix="bench-flushes-"))
     args.out.mkdir(parents=True, exist_ok=True)
     return args
@@ -408,5 +420,7 @@ def cli(argv: Sequence[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     try:
         asyncio.run(main(cli()))
+    except PerfError as failed:
+        sys.exit(f"bench.flushes: {failed}")
     except KeyboardInterrupt:
         sys.exit(130)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import re
 import shutil
@@ -161,3 +162,17 @@ async def test_the_slice_of_an_applications_backends_is_set_while_they_live() ->
     finally:
         await conn.close()
         await other.close()
+
+
+async def test_perf_failing_to_record_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "perf"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'No permission to enable sched:sched_switch event.' >&2\nexit 255\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with pytest.raises(
+        flushes.PerfError, match="perf record failed: No permission to enable sched:sched_switch"
+    ):
+        await flushes._record(tmp_path / "out.data", 1.0, 0.0)
