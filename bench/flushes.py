@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import ctypes
+import functools
 import os
 import platform
 import re
@@ -43,6 +45,7 @@ from pathlib import Path
 import asyncpg
 
 from bench.harness import DATABASE_URL, Isolation, median, post_all
+from bench.measure import percentile
 from bench.service import running, wait_traced, workload
 
 TRACEPOINTS = (
@@ -139,8 +142,7 @@ def split(events: Sequence[Event], comm: str = "postgres") -> Split:
         step = splitter.steps.get(event.name)
         if step is not None:
             step(event)
-    for flush in splitter.flushes:
-        flush.any_disk = _union(splitter.done, flush.started, flush.ended)
+    _any_disk(splitter.flushes, splitter.done)
     seconds = events[-1].time - events[0].time if events else 0.0
     return Split(splitter.flushes, dict(splitter.served), seconds)
 
@@ -209,6 +211,17 @@ class _Splitter:
                 self.tasks[tid].flush.requests.append((issued, event.time))
 
 
+def _any_disk(flushes: Iterable[Flush], done: list[tuple[float, float]]) -> None:
+    """Each flush's time with any request in the disk, from the requests that can overlap it."""
+    done.sort()
+    issued = [lo for lo, _ in done]
+    longest = max((hi - lo for lo, hi in done), default=0.0)
+    for flush in flushes:
+        first = bisect.bisect_left(issued, flush.started - longest)
+        last = bisect.bisect_right(issued, flush.ended)
+        flush.any_disk = _union(done[first:last], flush.started, flush.ended)
+
+
 def _union(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
     """Length of the union of ``intervals`` clipped to [start, end]."""
     total, open_start, open_end = 0.0, None, None
@@ -235,11 +248,6 @@ PARTS = (
 )
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
-
-
 def summary(result: Split) -> list[str]:
     """The split as lines of text: per flush, the mean, median and p90 of each part, in µs."""
     flushes = result.flushes
@@ -259,10 +267,10 @@ def summary(result: Split) -> list[str]:
         share = f"{100 * sum(values) / busy:5.0f} %"
         lines.append(
             f"  {label:34} {1e6 * mean:7.0f} {1e6 * median(values):7.0f} "
-            f"{1e6 * _quantile(values, 0.9):7.0f} {share:>6}"
+            f"{1e6 * percentile(values, 90):7.0f} {share:>6}"
         )
     kinds = ", ".join(
-        f"{rwbs} {len(times):,} ({1e6 * median(times):.0f} µs median, {1e6 * _quantile(times, 0.9):.0f} p90)"
+        f"{rwbs} {len(times):,} ({1e6 * median(times):.0f} µs median, {1e6 * percentile(times, 90):.0f} p90)"
         for rwbs, times in sorted(result.requests.items(), key=lambda item: -len(item[1]))
     )
     lines.append(f"  the disk's requests, by kind (all processes): {kinds or 'none'}")
@@ -278,13 +286,18 @@ _SCHED_CALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _SCHED_ATTR = struct.Struct("IIQiIQQQII")
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def set_slice(pid: int, slice_ns: int) -> int:
     """Ask the kernel to give ``pid`` a scheduler slice of ``slice_ns`` (the normal policy; EEVDF
     keeps a custom slice from Linux 6.12 on, 0 is the default) and return the slice it reports."""
     calls = _SCHED_CALLS.get(platform.machine())
     if calls is None:
         raise OSError(f"sched_setattr: no system call number known for {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     attr = ctypes.create_string_buffer(_SCHED_ATTR.pack(_SCHED_ATTR.size, 0, 0, 0, 0, slice_ns, 0, 0, 0, 0))
     if libc.syscall(calls[0], pid, attr, 0) != 0:
         raise OSError(ctypes.get_errno(), f"sched_setattr of {pid}: {os.strerror(ctypes.get_errno())}")
